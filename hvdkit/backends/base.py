@@ -1,0 +1,136 @@
+"""The one interface every backend implements, so the training loop never branches on backend."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from ..config import BackendConfig
+
+__all__ = ["Backend"]
+
+T = TypeVar("T")
+
+
+class Backend(ABC):
+    """Data-parallel backend: process identity, model wrapping, and collectives.
+
+    Lifecycle: construct (initialises the communication library), ``wrap`` the
+    model and optimizer once, ``broadcast_state`` from rank 0, train, ``shutdown``.
+    """
+
+    name: str = "base"
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.config = config
+
+    # -- identity ---------------------------------------------------------------
+    @property
+    @abstractmethod
+    def rank(self) -> int:
+        """Global rank: gate every side effect (printing, files) on ``rank == 0``."""
+
+    @property
+    @abstractmethod
+    def size(self) -> int:
+        """World size."""
+
+    @property
+    @abstractmethod
+    def local_rank(self) -> int:
+        """Rank on this node; used only to pick the GPU."""
+
+    @property
+    def is_master(self) -> bool:
+        """True on global rank 0."""
+        return self.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        """``cuda:<local_rank>`` when CUDA is available, else CPU."""
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+
+    def limit_cpu_threads(self) -> int:
+        """Share this node's cores among its ranks (unless ``OMP_NUM_THREADS`` is set).
+
+        torch defaults every process to all cores; with N ranks per node plus
+        Horovod's polling thread that oversubscribes the CPU and was measured
+        to slow a 2-rank CPU run down 50x. Returns the thread count in use.
+        """
+        hosts = self.gather_objects(socket.gethostname())
+        per_node = max(1, hosts.count(socket.gethostname()))
+        if "OMP_NUM_THREADS" not in os.environ and self.device.type == "cpu":
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            torch.set_num_threads(max(1, cores // per_node))
+        return torch.get_num_threads()
+
+    # -- model ------------------------------------------------------------------
+    @abstractmethod
+    def wrap(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Move ``model`` to :attr:`device` and make gradients data-parallel."""
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The plain module inside whatever ``wrap`` returned (for ``state_dict``)."""
+        return model
+
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module, sync: bool) -> Iterator[None]:
+        """Context for one micro-batch's backward; ``sync=False`` skips communication."""
+        yield
+
+    # -- collectives --------------------------------------------------------------
+    @abstractmethod
+    def broadcast_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, root: int = 0
+    ) -> None:
+        """Overwrite every rank's parameters, buffers and optimizer state with ``root``'s."""
+
+    @abstractmethod
+    def broadcast_object(self, obj: T, root: int = 0) -> T:
+        """Return ``root``'s (picklable) ``obj`` on every rank."""
+
+    @abstractmethod
+    def gather_objects(self, obj: T) -> list[T]:
+        """Every rank's (picklable) ``obj``, in rank order, on every rank."""
+
+    @abstractmethod
+    def allreduce_tensor(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """Reduce a tensor across ranks (``mean``, ``sum`` or ``max``); returns a new tensor."""
+
+    def allreduce_metric(self, value: float | torch.Tensor, op: str = "mean") -> float:
+        """Reduce one scalar across ranks and return it as a Python float."""
+        t = torch.as_tensor(value, dtype=torch.float64).detach().reshape(1).cpu()
+        return float(self.allreduce_tensor(t, op)[0])
+
+    def any_true(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on any rank (agree on stopping)."""
+        return self.allreduce_metric(1.0 if flag else 0.0, op="max") > 0.5
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Wait for every rank."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Tear down the communication library (idempotent)."""
+
+    def describe(self) -> str:
+        """One line for logs."""
+        return f"{self.name} rank {self.rank}/{self.size} on {self.device}"
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

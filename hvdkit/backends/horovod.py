@@ -1,0 +1,146 @@
+"""Horovod: ring-allreduce with tensor fusion, via ``hvd.DistributedOptimizer``.
+
+Follows Horovod's ``examples/pytorch``: init, pin the GPU by local rank,
+wrap the optimizer with ``named_parameters``, broadcast state from rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from ..config import BackendConfig
+from ..environments import detect_environment
+from ..errors import BackendUnavailableError, HvdkitError, LauncherEnvError
+from .base import Backend
+
+T = TypeVar("T")
+
+SETUP_HINT = "run ./scripts/setup.sh, which builds Horovod 0.28.1 with PyTorch support (C++17 patch)"
+
+
+def import_horovod_torch() -> Any:
+    """Import ``horovod.torch`` or raise a one-line :class:`BackendUnavailableError`."""
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else "import failed"
+        raise BackendUnavailableError(
+            f"horovod.torch cannot be imported ({detail})", SETUP_HINT
+        ) from None
+    return hvd
+
+
+class HorovodBackend(Backend):
+    """``horovod.torch`` behind the :class:`Backend` interface."""
+
+    name = "horovod"
+
+    def __init__(self, config: BackendConfig) -> None:
+        super().__init__(config)
+        self.hvd = hvd = import_horovod_torch()
+        self._calls = 0
+        # Fusion threshold, cycle time, timeline and stall checks are read once, by init().
+        os.environ.update(config.horovod.environment())
+        hvd.init()
+        self._check_world()
+        if torch.cuda.is_available():
+            torch.cuda.set_device(hvd.local_rank())
+        self.limit_cpu_threads()
+
+    def _check_world(self) -> None:
+        """Catch the classic 'every rank thinks it is alone' launcher/MPI mismatch."""
+        launcher = detect_environment()
+        if self.hvd.size() == 1 and launcher.world_size() > 1:
+            self.hvd.shutdown()
+            raise LauncherEnvError(
+                f"{launcher.name} started {launcher.world_size()} processes "
+                "but Horovod sees a world of 1",
+                "Horovod was built against a different MPI than the launcher, or no controller "
+                "ran; launch with 'horovodrun -np N' or mpirun from the MPI Horovod was built with",
+            )
+
+    @property
+    def rank(self) -> int:
+        return int(self.hvd.rank())
+
+    @property
+    def size(self) -> int:
+        return int(self.hvd.size())
+
+    @property
+    def local_rank(self) -> int:
+        return int(self.hvd.local_rank())
+
+    def _op(self) -> Any:
+        return {"average": self.hvd.Average, "sum": self.hvd.Sum, "adasum": self.hvd.Adasum}[
+            self.config.horovod.op
+        ]
+
+    def wrap(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        opts = self.config.horovod
+        model = model.to(self.device)
+        compression = self.hvd.Compression.fp16 if opts.compression == "fp16" else self.hvd.Compression.none
+        try:
+            dist_opt = self.hvd.DistributedOptimizer(
+                optimizer,
+                named_parameters=model.named_parameters(),
+                compression=compression,
+                backward_passes_per_step=self.config.accumulation_steps,
+                op=self._op(),
+                gradient_predivide_factor=opts.gradient_predivide_factor,
+            )
+        except ValueError as exc:
+            raise HvdkitError(f"Horovod rejected the optimizer options: {exc}", "see hvdkit train --help") from None
+        return model, dist_opt
+
+    def broadcast_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, root: int = 0
+    ) -> None:
+        hvd = self.hvd
+        if optimizer is not None:
+            # hvd.broadcast_optimizer_state initialises an *empty* state with a
+            # zero-gradient step, which moves weights under weight decay and
+            # creates momentum/step entries a single-process run would not have.
+            # So only broadcast optimizer state when root really has some
+            # (resume), and broadcast parameters afterwards so that any such
+            # step on the receiving ranks is overwritten.
+            root_has_state = self.broadcast_object(
+                bool(optimizer.state_dict()["state"]) if self.rank == root else None, root
+            )
+            if root_has_state:
+                hvd.broadcast_optimizer_state(optimizer, root_rank=root)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=root)
+
+    def _name(self, kind: str) -> str:
+        # Horovod matches collectives across ranks by name. Its default name for
+        # *_object is type(obj).__name__, which differs between the root (a real
+        # object) and the receivers (None) and then hangs forever; so every
+        # collective gets an explicit name from a counter all ranks advance alike.
+        self._calls += 1
+        return f"hvdkit.{kind}.{self._calls}"
+
+    def broadcast_object(self, obj: T, root: int = 0) -> T:
+        return self.hvd.broadcast_object(obj, root_rank=root, name=self._name("bcast"))  # type: ignore[no-any-return]
+
+    def gather_objects(self, obj: T) -> list[T]:
+        return list(self.hvd.allgather_object(obj, name=self._name("gather")))
+
+    def allreduce_tensor(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        hvd = self.hvd
+        ops = {"mean": hvd.Average, "sum": hvd.Sum, "max": hvd.Max}
+        if op not in ops:
+            raise ValueError(f"unknown reduce op {op!r}")
+        return hvd.allreduce(tensor.detach(), op=ops[op], name=self._name("allreduce"))  # type: ignore[no-any-return]
+
+    def barrier(self) -> None:
+        self.hvd.barrier()
+
+    def shutdown(self) -> None:
+        if self.hvd.is_initialized():
+            self.hvd.shutdown()

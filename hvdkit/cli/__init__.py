@@ -1,0 +1,24 @@
+"""The ``hvdkit`` command line. Each subcommand translates flags into library dataclasses."""
+
+from __future__ import annotations
+
+import click
+
+from .. import __version__
+from .train_cmd import train_command
+
+__all__ = ["main", "cli"]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "HVDKIT"})
+@click.version_option(__version__, prog_name="hvdkit")
+def cli() -> None:
+    """hvdkit: data-parallel PyTorch training with Horovod or native DDP, on Slurm or locally."""
+
+
+cli.add_command(train_command)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point."""
+    cli.main(args=argv, prog_name="hvdkit")

@@ -1,0 +1,87 @@
+"""Shared click plumbing: config files as defaults, and one-line errors."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import HvdkitError
+
+__all__ = ["config_option", "load_config_file", "translate_errors"]
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML (.yaml/.yml), TOML (.toml) or JSON file into a flat dict of option defaults.
+
+    Keys may use dashes or underscores (``--tasks-per-node`` == ``tasks_per_node``).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc.strerror}", param_hint="--config") from None
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+    except Exception as exc:  # noqa: BLE001 - any parser error is the user's file
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise click.BadParameter(f"{path} is not valid: {first}", param_hint="--config") from None
+    if not isinstance(data, dict):
+        raise click.BadParameter(f"{path} must hold a mapping of option: value", param_hint="--config")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def _apply_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value:
+        data = load_config_file(value)
+        known = {p.name for p in ctx.command.params if p.name}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise click.BadParameter(
+                f"unknown key(s) in {value}: {', '.join(unknown)}", param_hint="--config"
+            )
+        ctx.default_map = {**(ctx.default_map or {}), **data}
+    return value
+
+
+def config_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--config FILE``: option defaults from YAML/TOML/JSON; flags on the command line win."""
+    return click.option(
+        "--config",
+        type=click.Path(dir_okay=False),
+        is_eager=True,
+        expose_value=False,
+        callback=_apply_config,
+        help="YAML/TOML/JSON file of option defaults; command-line flags override it.",
+    )(f)
+
+
+def translate_errors(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn :class:`HvdkitError` into a one-line ``Error: ...`` and exit status 1."""
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return f(*args, **kwargs)
+        except HvdkitError as exc:
+            raise click.ClickException(str(exc)) from None
+
+    return wrapper
+
+
+def echo_err(message: str) -> None:
+    """Print to stderr."""
+    click.echo(message, file=sys.stderr)

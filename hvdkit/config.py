@@ -1,0 +1,209 @@
+"""Typed configuration for the library. The CLI only translates flags into these.
+
+Every dataclass validates itself in ``__post_init__`` and raises
+:class:`~hvdkit.errors.ConfigError` with a one-line message and a hint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = [
+    "BACKENDS",
+    "HorovodOptions",
+    "DDPOptions",
+    "BackendConfig",
+    "TrainConfig",
+    "config_from_dict",
+]
+
+BACKENDS = ("horovod", "ddp", "local")
+COMPRESSIONS = ("none", "fp16")
+HOROVOD_OPS = ("average", "sum", "adasum")
+
+
+def _choice(what: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{what} {value!r} is not known", f"use one of: {', '.join(allowed)}")
+
+
+def _positive(what: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{what} must be {bound}, got {value}", f"pass a value {bound}")
+
+
+@dataclass(frozen=True)
+class HorovodOptions:
+    """Knobs of ``hvd.DistributedOptimizer`` and of Horovod's background thread.
+
+    ``fusion_threshold_mb`` and ``cycle_time_ms`` map to ``HOROVOD_FUSION_THRESHOLD``
+    (bytes) and ``HOROVOD_CYCLE_TIME`` and must be set before ``hvd.init()``;
+    ``None`` keeps Horovod's defaults (128 MiB, 1 ms in 0.28). 0 MB turns fusion off.
+    """
+
+    compression: str = "none"
+    op: str = "average"
+    gradient_predivide_factor: float = 1.0
+    fusion_threshold_mb: float | None = None
+    cycle_time_ms: float | None = None
+    timeline: str | None = None
+    stall_check_s: int | None = None
+    stall_shutdown_s: int | None = None
+
+    def __post_init__(self) -> None:
+        _choice("compression", self.compression, COMPRESSIONS)
+        _choice("horovod op", self.op, HOROVOD_OPS)
+        _positive("gradient_predivide_factor", self.gradient_predivide_factor)
+        if self.op != "average" and self.gradient_predivide_factor != 1.0:
+            raise ConfigError(
+                f"gradient_predivide_factor={self.gradient_predivide_factor} needs op 'average'",
+                "drop the predivide factor or use op=average",
+            )
+        if self.fusion_threshold_mb is not None:
+            _positive("fusion_threshold_mb", self.fusion_threshold_mb, allow_zero=True)
+        if self.cycle_time_ms is not None:
+            _positive("cycle_time_ms", self.cycle_time_ms)
+        for name in ("stall_check_s", "stall_shutdown_s"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive(name, value, allow_zero=True)
+
+    def environment(self) -> dict[str, str]:
+        """The ``HOROVOD_*`` variables these options imply (set before ``hvd.init()``)."""
+        env: dict[str, str] = {}
+        if self.fusion_threshold_mb is not None:
+            env["HOROVOD_FUSION_THRESHOLD"] = str(int(self.fusion_threshold_mb * 1024 * 1024))
+        if self.cycle_time_ms is not None:
+            env["HOROVOD_CYCLE_TIME"] = repr(float(self.cycle_time_ms))
+        if self.timeline:
+            env["HOROVOD_TIMELINE"] = self.timeline
+        if self.stall_check_s is not None:
+            env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(self.stall_check_s)
+            if self.stall_check_s == 0:
+                env["HOROVOD_STALL_CHECK_DISABLE"] = "1"
+        if self.stall_shutdown_s is not None:
+            env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(self.stall_shutdown_s)
+        return env
+
+
+@dataclass(frozen=True)
+class DDPOptions:
+    """Knobs of ``DistributedDataParallel`` and of the process group.
+
+    Defaults are PyTorch's own, except that ``broadcast_buffers`` is exposed so
+    that a fair comparison with Horovod (which never re-broadcasts buffers) can
+    turn it off.
+    """
+
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    broadcast_buffers: bool = True
+    find_unused_parameters: bool = False
+    compression: str = "none"
+    timeout_s: float = 1800.0
+    environment: str = "auto"
+    process_group_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        _positive("bucket_cap_mb", self.bucket_cap_mb)
+        _positive("timeout_s", self.timeout_s)
+        _choice("compression", self.compression, COMPRESSIONS)
+        if self.process_group_backend is not None:
+            _choice("process group backend", self.process_group_backend, ("gloo", "nccl", "mpi"))
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """Which backend, and the options that both honour.
+
+    ``accumulation_steps`` is Horovod's ``backward_passes_per_step`` and the
+    number of micro-batches per optimizer step under DDP's ``no_sync()``.
+    """
+
+    name: str = "local"
+    accumulation_steps: int = 1
+    horovod: HorovodOptions = field(default_factory=HorovodOptions)
+    ddp: DDPOptions = field(default_factory=DDPOptions)
+
+    def __post_init__(self) -> None:
+        _choice("backend", self.name, BACKENDS)
+        if self.accumulation_steps < 1:
+            raise ConfigError(
+                f"accumulation_steps must be >= 1, got {self.accumulation_steps}",
+                "use 1 for no accumulation",
+            )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run of an example model on synthetic (or HDF5) data."""
+
+    model: str = "cnn"
+    epochs: int = 2
+    steps_per_epoch: int | None = None
+    batch_size: int = 32
+    global_batch_size: int | None = None
+    exact_batch: bool = False
+    lr: float = 0.01
+    scale_lr: bool = True
+    warmup_epochs: float = 0.0
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    optimizer: str = "sgd"
+    num_samples: int = 1024
+    data: str | None = None
+    seed: int = 0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    resume: bool = True
+    requeue: bool = True
+    log_every: int = 0
+    metrics_file: str | None = None
+    backend: BackendConfig = field(default_factory=BackendConfig)
+
+    def __post_init__(self) -> None:
+        from .models import MODELS  # local: models imports torch
+
+        _choice("model", self.model, tuple(MODELS))
+        _choice("optimizer", self.optimizer, ("sgd", "adam", "adamw"))
+        for name in ("epochs", "batch_size", "num_samples"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", f"raise {name}")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ConfigError(
+                f"global_batch_size must be >= 1, got {self.global_batch_size}", "raise it"
+            )
+        if self.steps_per_epoch is not None and self.steps_per_epoch < 1:
+            raise ConfigError(
+                f"steps_per_epoch must be >= 1, got {self.steps_per_epoch}", "raise it or omit it"
+            )
+        _positive("lr", self.lr)
+        _positive("warmup_epochs", self.warmup_epochs, allow_zero=True)
+        _positive("checkpoint_every", self.checkpoint_every, allow_zero=True)
+        if self.keep_checkpoints < 1:
+            raise ConfigError("keep_checkpoints must be >= 1", "keep at least one checkpoint")
+
+
+def config_from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """Build dataclass ``cls`` from a (possibly nested) dict, rejecting unknown keys."""
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"unknown {cls.__name__} key(s): {', '.join(unknown)}",
+            f"valid keys are: {', '.join(sorted(known))}",
+        )
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        sub = {"horovod": HorovodOptions, "ddp": DDPOptions, "backend": BackendConfig}.get(key)
+        if sub is not None and isinstance(value, dict):
+            value = config_from_dict(sub, value)
+        kwargs[key] = value
+    return cls(**kwargs)

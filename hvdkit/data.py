@@ -1,0 +1,155 @@
+"""Data for data-parallel training: a resumable per-rank shard sampler and HDF5 datasets.
+
+The sampler works on *global* sample positions: each epoch is one seeded
+permutation of the whole dataset, consumed in order, global batch after global
+batch; rank ``r`` takes every ``size``-th sample of it, as
+``DistributedSampler`` does. Resuming at "global sample k of epoch e" is then
+exact for the same world size, and for another world size still visits every
+remaining sample of the epoch exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from .errors import ConfigError, HvdkitError
+
+__all__ = ["ShardSampler", "H5Dataset", "make_synthetic_h5", "per_rank_batch_size"]
+
+
+def per_rank_batch_size(
+    global_batch: int, world_size: int, accumulation: int = 1, exact: bool = False
+) -> int:
+    """Micro-batch per rank for a requested global batch (per optimizer step).
+
+    With ``exact`` the global batch must split evenly; otherwise it is rounded
+    down and the caller should tell the user what the effective batch is.
+    """
+    parts = world_size * accumulation
+    if global_batch % parts and exact:
+        raise ConfigError(
+            f"global batch {global_batch} does not divide over {world_size} ranks x "
+            f"{accumulation} accumulation steps",
+            f"use a multiple of {parts} (e.g. {max(parts, global_batch // parts * parts)}) "
+            "or drop --exact-batch",
+        )
+    per_rank = global_batch // parts
+    if per_rank < 1:
+        raise ConfigError(
+            f"global batch {global_batch} is smaller than {world_size} ranks x {accumulation} steps",
+            f"use a global batch of at least {parts}",
+        )
+    return per_rank
+
+
+class ShardSampler(Sampler[int]):
+    """Indices for one rank: ``permutation(epoch)[start:][rank::size]``, drop-last."""
+
+    def __init__(
+        self, num_samples: int, num_replicas: int, rank: int, seed: int = 0, shuffle: bool = True
+    ) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} not in [0, {num_replicas})")
+        self.num_samples, self.num_replicas, self.rank = num_samples, num_replicas, rank
+        self.seed, self.shuffle = seed, shuffle
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Select the epoch's permutation and skip the first ``start`` global samples."""
+        self.epoch, self.start = epoch, start
+
+    def _order(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        gen = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_samples, generator=gen)
+
+    def __iter__(self) -> Iterator[int]:
+        order = self._order()[self.start :]
+        usable = len(order) // self.num_replicas * self.num_replicas
+        return iter(order[:usable][self.rank :: self.num_replicas].tolist())
+
+    def __len__(self) -> int:
+        return (self.num_samples - self.start) // self.num_replicas
+
+
+class H5Dataset(Dataset):
+    """``(x[i], y[i])`` from an HDF5 file, opened lazily in each worker process.
+
+    The file handle is created on first access, i.e. after any ``fork`` of
+    DataLoader workers (h5py handles must not cross a fork). Only the indices
+    this rank's sampler asks for are ever read.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], x_key: str = "x", y_key: str = "y") -> None:
+        import h5py
+
+        self.path, self.x_key, self.y_key = str(path), x_key, y_key
+        if not Path(self.path).is_file():
+            raise HvdkitError(
+                f"dataset file {self.path} does not exist",
+                "create one with 'hvdkit data make-synthetic PATH'",
+            )
+        with h5py.File(self.path, "r") as f:
+            for key in (x_key, y_key):
+                if key not in f:
+                    raise HvdkitError(
+                        f"dataset file {self.path} has no dataset {key!r} (has {sorted(f)})",
+                        "pass the right --x-key/--y-key or regenerate the file",
+                    )
+            self._len = int(f[x_key].shape[0])
+            if int(f[y_key].shape[0]) != self._len:
+                raise HvdkitError(
+                    f"{self.path}: {x_key} and {y_key} have different lengths",
+                    "regenerate the file",
+                )
+        self._file = None
+        self._pid = None
+
+    def _handle(self):  # noqa: ANN202 - h5py.File
+        if self._file is None or self._pid != os.getpid():
+            import h5py
+
+            self._file, self._pid = h5py.File(self.path, "r"), os.getpid()
+        return self._file
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        f = self._handle()
+        x = torch.from_numpy(np.asarray(f[self.x_key][index]))
+        y = torch.as_tensor(np.asarray(f[self.y_key][index]), dtype=torch.long)
+        return x, y
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_file"], state["_pid"] = None, None  # never pickle an open handle
+        return state
+
+
+def make_synthetic_h5(
+    path: str | os.PathLike[str], model: str = "cnn", num_samples: int = 1024, seed: int = 1234
+) -> Path:
+    """Write the synthetic dataset of ``model`` to ``path`` (datasets ``x`` float32, ``y`` int64)."""
+    import h5py
+
+    from .models import synthetic_dataset
+
+    ds = synthetic_dataset(model, num_samples, seed)
+    x, y = ds.tensors  # type: ignore[attr-defined]
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    with h5py.File(tmp, "w") as f:
+        f.create_dataset("x", data=x.numpy(), chunks=(1, *x.shape[1:]))
+        f.create_dataset("y", data=y.numpy())
+        f.attrs.update({"model": model, "seed": seed, "num_samples": num_samples})
+    os.replace(tmp, out)
+    return out

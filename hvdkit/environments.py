@@ -1,0 +1,370 @@
+"""Launcher environments: who am I, how many are we, and where is rank 0?
+
+One small class per launcher (torchrun-style variables, Open MPI, MPICH/PMI,
+Slurm, plain single process), all behind :class:`ClusterEnvironment`, in the
+spirit of Lightning Fabric's ``plugins/environments``. Detection reads only
+environment variables; ``mpi4py`` is imported lazily, and only when an MPI
+launcher gave no ``MASTER_ADDR`` and rank 0 has to pick one and tell the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import socket
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import ClassVar
+
+from .errors import LauncherEnvError
+
+__all__ = [
+    "ClusterEnvironment",
+    "TorchrunEnvironment",
+    "OpenMPIEnvironment",
+    "PMIEnvironment",
+    "SlurmEnvironment",
+    "LocalEnvironment",
+    "ENVIRONMENTS",
+    "detect_environment",
+    "expand_nodelist",
+    "find_free_port",
+]
+
+
+def find_free_port(host: str = "") -> int:
+    """Ask the kernel for a free TCP port (there is a small race until it is bound again)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _int_var(environ: Mapping[str, str], name: str) -> int:
+    raw = environ.get(name)
+    if raw is None:
+        raise LauncherEnvError(f"{name} is not set", f"launch with a launcher that sets {name}")
+    try:
+        return int(raw.strip().split("(")[0])  # SLURM_TASKS_PER_NODE looks like "2(x3)"
+    except ValueError:
+        raise LauncherEnvError(
+            f"{name}={raw!r} is not an integer", f"unset {name} or set it to a whole number"
+        ) from None
+
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas that are not inside brackets: 'a[1-2],b' -> ['a[1-2]', 'b']."""
+    parts, depth, current = [], 0, []
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    if depth != 0:
+        raise LauncherEnvError(
+            f"unbalanced brackets in Slurm node list {text!r}",
+            "check SLURM_JOB_NODELIST or set MASTER_ADDR explicitly",
+        )
+    parts.append("".join(current))
+    return [p for p in parts if p]
+
+
+def _expand_ranges(spec: str, nodelist: str) -> list[str]:
+    out: list[str] = []
+    for item in spec.split(","):
+        m = _RANGE.match(item.strip())
+        if not m:
+            raise LauncherEnvError(
+                f"cannot parse range {item!r} in Slurm node list {nodelist!r}",
+                "set MASTER_ADDR explicitly",
+            )
+        lo, hi = m.group(1), m.group(2) or m.group(1)
+        width = len(lo)
+        out.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
+    return out
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm host list (``node[01-03,07],gpu-a[1-2]``) without ``scontrol``.
+
+    ``scontrol`` is often missing inside containers, so hvdkit never needs it
+    to find rank 0's host.
+    """
+    hosts: list[str] = []
+    for part in _split_top_level(nodelist.strip()):
+        pieces = re.split(r"(\[[^\]]*\])", part)
+        choices = [
+            _expand_ranges(p[1:-1], nodelist) if p.startswith("[") else [p] for p in pieces if p
+        ]
+        hosts.extend("".join(combo) for combo in itertools.product(*choices))
+    return hosts
+
+
+class ClusterEnvironment(ABC):
+    """Where this process sits in the job. Subclasses read one launcher's variables."""
+
+    name: ClassVar[str]
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self._env: Mapping[str, str] = os.environ if environ is None else environ
+        self._address: tuple[str, int] | None = None
+
+    @staticmethod
+    @abstractmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        """True when this launcher's variables are present."""
+
+    @abstractmethod
+    def world_size(self) -> int:
+        """Number of processes in the job."""
+
+    @abstractmethod
+    def global_rank(self) -> int:
+        """Rank of this process among all processes (the one to gate side effects on)."""
+
+    @abstractmethod
+    def local_rank(self) -> int:
+        """Rank of this process on its node (the one to pick a GPU with)."""
+
+    def _default_address(self) -> tuple[str, int]:
+        """(host, port) of rank 0 when MASTER_ADDR/MASTER_PORT are not given."""
+        return "127.0.0.1", find_free_port("127.0.0.1")
+
+    def _resolve(self) -> tuple[str, int]:
+        if self._address is None:
+            addr, port = self._env.get("MASTER_ADDR"), self._env.get("MASTER_PORT")
+            if addr and port:
+                self._address = (addr, _int_var(self._env, "MASTER_PORT"))
+            else:
+                default_addr, default_port = self._default_address()
+                self._address = (
+                    addr or default_addr,
+                    _int_var(self._env, "MASTER_PORT") if port else default_port,
+                )
+        return self._address
+
+    @property
+    def main_address(self) -> str:
+        """Host of rank 0 (MASTER_ADDR wins when set)."""
+        return self._resolve()[0]
+
+    @property
+    def main_port(self) -> int:
+        """Rendezvous port on rank 0 (MASTER_PORT wins when set)."""
+        return self._resolve()[1]
+
+    def validate(self) -> None:
+        """Raise :class:`LauncherEnvError` when the variables contradict each other."""
+        size, rank, local = self.world_size(), self.global_rank(), self.local_rank()
+        if size < 1:
+            raise LauncherEnvError(
+                f"{self.name}: world size is {size}", "the launcher must start at least 1 process"
+            )
+        if not 0 <= rank < size:
+            raise LauncherEnvError(
+                f"{self.name}: rank {rank} is outside world size {size}",
+                "the launcher variables are inconsistent; relaunch instead of setting them by hand",
+            )
+        if not 0 <= local <= rank:
+            raise LauncherEnvError(
+                f"{self.name}: local rank {local} is impossible for global rank {rank}",
+                "the launcher variables are inconsistent; relaunch instead of setting them by hand",
+            )
+
+    def describe(self) -> str:
+        """One line for logs."""
+        return f"{self.name}: rank {self.global_rank()}/{self.world_size()} local {self.local_rank()}"
+
+
+class TorchrunEnvironment(ClusterEnvironment):
+    """``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR`` as torchrun (or a user) sets them."""
+
+    name = "torchrun"
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        return all(k in environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+    def world_size(self) -> int:
+        return _int_var(self._env, "WORLD_SIZE")
+
+    def global_rank(self) -> int:
+        return _int_var(self._env, "RANK")
+
+    def local_rank(self) -> int:
+        return _int_var(self._env, "LOCAL_RANK") if "LOCAL_RANK" in self._env else 0
+
+    def _default_address(self) -> tuple[str, int]:
+        return self._env["MASTER_ADDR"], 29500
+
+
+class _MPIEnvironment(ClusterEnvironment):
+    """Shared rendezvous for MPI launchers: rank 0 picks a port, mpi4py broadcasts it."""
+
+    def _default_address(self) -> tuple[str, int]:
+        try:
+            from mpi4py import MPI  # lazy: importing it initialises MPI
+        except ImportError as exc:
+            raise LauncherEnvError(
+                f"launched by {self.name} without MASTER_ADDR, and mpi4py is not importable ({exc})",
+                "pip install mpi4py (built against the same MPI as mpirun), "
+                "or export MASTER_ADDR and MASTER_PORT",
+            ) from None
+        comm = MPI.COMM_WORLD
+        if comm.Get_size() != self.world_size():
+            raise LauncherEnvError(
+                f"mpi4py sees {comm.Get_size()} processes but {self.name} says {self.world_size()}",
+                "mpi4py was built against a different MPI than the launcher; rebuild it with "
+                "MPICC=$(which mpicc) pip install --no-binary mpi4py mpi4py",
+            )
+        hosts = comm.allgather(socket.gethostname())
+        if comm.Get_rank() == 0:
+            # All on one node: loopback avoids depending on how the hostname resolves.
+            host = "127.0.0.1" if len(set(hosts)) == 1 else socket.getfqdn()
+            payload: tuple[str, int] | None = (host, find_free_port())
+        else:
+            payload = None
+        host, port = comm.bcast(payload, root=0)
+        return host, int(port)
+
+
+class OpenMPIEnvironment(_MPIEnvironment):
+    """Processes started by Open MPI's ``mpirun`` (``OMPI_COMM_WORLD_*``)."""
+
+    name = "openmpi"
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        return "OMPI_COMM_WORLD_SIZE" in environ and "OMPI_COMM_WORLD_RANK" in environ
+
+    def world_size(self) -> int:
+        return _int_var(self._env, "OMPI_COMM_WORLD_SIZE")
+
+    def global_rank(self) -> int:
+        return _int_var(self._env, "OMPI_COMM_WORLD_RANK")
+
+    def local_rank(self) -> int:
+        return _int_var(self._env, "OMPI_COMM_WORLD_LOCAL_RANK")
+
+
+class PMIEnvironment(_MPIEnvironment):
+    """MPICH / Intel MPI (Hydra) and ``srun --mpi=pmi2``: ``PMI_RANK``/``PMI_SIZE``."""
+
+    name = "pmi"
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        return "PMI_SIZE" in environ and "PMI_RANK" in environ
+
+    def world_size(self) -> int:
+        return _int_var(self._env, "PMI_SIZE")
+
+    def global_rank(self) -> int:
+        return _int_var(self._env, "PMI_RANK")
+
+    def local_rank(self) -> int:
+        for key in ("MPI_LOCALRANKID", "SLURM_LOCALID"):
+            if key in self._env:
+                return _int_var(self._env, key)
+        return 0
+
+
+class SlurmEnvironment(ClusterEnvironment):
+    """Tasks started by ``srun`` (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``).
+
+    Rank 0's host is the first host of ``SLURM_JOB_NODELIST`` and the port is
+    derived from the job id (15000 + its last four digits, as Lightning does),
+    so every task agrees without talking to the others.
+    """
+
+    name = "slurm"
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        # SLURM_STEP_ID is set by srun for every task; the batch shell itself
+        # also has SLURM_PROCID=0, so without it a lone `python train.py` in an
+        # sbatch script would wait forever for the other tasks.
+        return "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ and "SLURM_NTASKS" in environ
+
+    def world_size(self) -> int:
+        key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in self._env else "SLURM_NTASKS"
+        return _int_var(self._env, key)
+
+    def global_rank(self) -> int:
+        return _int_var(self._env, "SLURM_PROCID")
+
+    def local_rank(self) -> int:
+        return _int_var(self._env, "SLURM_LOCALID") if "SLURM_LOCALID" in self._env else 0
+
+    def _default_address(self) -> tuple[str, int]:
+        nodelist = self._env.get("SLURM_STEP_NODELIST") or self._env.get("SLURM_JOB_NODELIST")
+        if not nodelist:
+            raise LauncherEnvError(
+                "Slurm task without SLURM_JOB_NODELIST", "export MASTER_ADDR to rank 0's host"
+            )
+        job_id = self._env.get("SLURM_JOB_ID", "0")
+        digits = re.sub(r"\D", "", job_id)[-4:] or "0"
+        return expand_nodelist(nodelist)[0], 15000 + int(digits)
+
+
+class LocalEnvironment(ClusterEnvironment):
+    """No launcher: one process, rank 0 of 1."""
+
+    name = "local"
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        return True
+
+    def world_size(self) -> int:
+        return 1
+
+    def global_rank(self) -> int:
+        return 0
+
+    def local_rank(self) -> int:
+        return 0
+
+
+# Order matters: explicit torchrun-style variables win, then the MPI launcher
+# that actually started us (mpirun inside an allocation also sets SLURM_*).
+ENVIRONMENTS: dict[str, type[ClusterEnvironment]] = {
+    cls.name: cls
+    for cls in (
+        TorchrunEnvironment,
+        OpenMPIEnvironment,
+        PMIEnvironment,
+        SlurmEnvironment,
+        LocalEnvironment,
+    )
+}
+
+
+def detect_environment(
+    name: str | None = None, environ: Mapping[str, str] | None = None
+) -> ClusterEnvironment:
+    """Return the launcher environment of this process, validated.
+
+    ``name`` forces one (``torchrun``, ``openmpi``, ``pmi``, ``slurm``, ``local``);
+    otherwise the first whose variables are present wins.
+    """
+    env = os.environ if environ is None else environ
+    if name is not None and name != "auto":
+        if name not in ENVIRONMENTS:
+            raise LauncherEnvError(
+                f"unknown launcher environment {name!r}",
+                f"use one of: auto, {', '.join(ENVIRONMENTS)}",
+            )
+        chosen = ENVIRONMENTS[name](env)
+    else:
+        chosen = next(cls(env) for cls in ENVIRONMENTS.values() if cls.detect(env))
+    chosen.validate()
+    return chosen

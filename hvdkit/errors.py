@@ -1,0 +1,33 @@
+"""One error type for everything a user can get wrong.
+
+Every message is a single line that says what was wrong and ends with a
+``HINT:`` that says how to fix it. The CLI prints ``str(err)`` and exits 2;
+library users can catch :class:`HvdkitError`.
+"""
+
+from __future__ import annotations
+
+
+class HvdkitError(RuntimeError):
+    """A user-facing error: one line, what went wrong, then ``HINT: fix``."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        self.message = " ".join(message.split())
+        self.hint = " ".join(hint.split()) if hint else None
+        super().__init__(self.message + (f" HINT: {self.hint}" if self.hint else ""))
+
+
+class ConfigError(HvdkitError, ValueError):
+    """A configuration value is invalid."""
+
+
+class LauncherEnvError(HvdkitError):
+    """The launcher environment (Slurm, MPI, torchrun variables) is inconsistent."""
+
+
+class BackendUnavailableError(HvdkitError, ImportError):
+    """The requested backend cannot be used on this installation."""
+
+
+class CheckpointError(HvdkitError):
+    """A checkpoint could not be written, found, or verified."""

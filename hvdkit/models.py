@@ -1,0 +1,102 @@
+"""Example models and the synthetic data they train on.
+
+Two shapes of work matter for data-parallel training:
+
+* ``cnn`` – a small convolutional net on 3x32x32 images: few, mid-sized
+  gradient tensors, compute-heavy.
+* ``mlp`` – a deep residual MLP with LayerNorm: ~200 small gradient tensors,
+  the case where Horovod's tensor fusion (and DDP's bucketing) matter.
+
+The data is generated from a fixed seed, identically on every rank, and
+labelled by a fixed random "teacher" so that the loss really goes down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+__all__ = ["SmallCNN", "ManyTensorsMLP", "ModelSpec", "MODELS", "build_model", "synthetic_dataset"]
+
+
+class SmallCNN(nn.Module):
+    """Conv-ReLU-pool x2 then two linear layers; 10 classes on 3x32x32 inputs."""
+
+    def __init__(self, width: int = 32, classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.head = nn.Sequential(
+            nn.Flatten(), nn.Linear(2 * width * 8 * 8, 128), nn.ReLU(), nn.Linear(128, classes)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, depth: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, dim)
+        self.scale = 1.0 / depth**0.5  # keeps the residual stream's variance bounded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.scale * torch.relu(self.fc(self.norm(x)))
+
+
+class ManyTensorsMLP(nn.Module):
+    """Residual MLP: ``depth`` blocks of LayerNorm + Linear, 4 small tensors each."""
+
+    def __init__(self, in_dim: int = 64, dim: int = 128, depth: int = 48, classes: int = 10) -> None:
+        super().__init__()
+        self.inp = nn.Linear(in_dim, dim)
+        self.blocks = nn.Sequential(*[_Block(dim, depth) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.blocks(self.inp(x))))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build a model and the shape of one input sample."""
+
+    factory: Callable[[], nn.Module]
+    input_shape: tuple[int, ...]
+    classes: int = 10
+
+
+MODELS: dict[str, ModelSpec] = {
+    "cnn": ModelSpec(SmallCNN, (3, 32, 32)),
+    "mlp": ModelSpec(ManyTensorsMLP, (64,)),
+    "tiny": ModelSpec(lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), (8,), 4),
+}
+
+
+def build_model(name: str, seed: int = 0) -> nn.Module:
+    """Build model ``name`` with weights drawn from ``seed`` (same seed, same weights)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return MODELS[name].factory()
+
+
+def synthetic_dataset(name: str, num_samples: int, seed: int = 1234) -> Dataset:
+    """Inputs ~ N(0, 1) and labels from a fixed random linear teacher; identical on all ranks."""
+    spec = MODELS[name]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((num_samples, *spec.input_shape), generator=gen)
+    teacher = torch.randn((x[0].numel(), spec.classes), generator=gen)
+    y = (x.flatten(1) @ teacher).argmax(dim=1)
+    return TensorDataset(x, y)

@@ -1,0 +1,79 @@
+"""Preemption: turn SIGUSR1/SIGTERM into "finish this step, checkpoint, requeue".
+
+Slurm sends the signal named by ``#SBATCH --signal=USR1@90`` to every task
+some seconds before the time limit, and SIGTERM when a job is preempted or
+cancelled. The handler only records the signal; the training loop polls
+:attr:`PreemptionGuard.requested` once per step and all ranks agree through
+``backend.any_true`` so that they stop at the same step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from types import FrameType
+from typing import Any
+
+__all__ = ["PreemptionGuard", "requeue_slurm_job"]
+
+REQUEUE_SIGNALS = (signal.SIGUSR1,)
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class PreemptionGuard:
+    """Context manager installing handlers for USR1/TERM on the main thread."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
+        self.signals = signals
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+
+    @property
+    def requested(self) -> bool:
+        """True once one of the signals arrived in this process."""
+        return self.received is not None
+
+    @property
+    def should_requeue(self) -> bool:
+        """USR1 means "time is almost up, come back later"; TERM means "stop"."""
+        return self.received in REQUEUE_SIGNALS
+
+    def __enter__(self) -> PreemptionGuard:
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+
+def requeue_slurm_job(environ: dict[str, str] | None = None) -> str:
+    """Ask Slurm to requeue this job; returns a one-line outcome for the log.
+
+    Uses ``SLURM_ARRAY_JOB_ID_SLURM_ARRAY_TASK_ID`` for array tasks. Never raises:
+    a job that cannot be requeued still has its checkpoint.
+    """
+    env = dict(os.environ if environ is None else environ)
+    job = env.get("SLURM_JOB_ID")
+    if not job:
+        return "not running under Slurm: not requeued"
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    try:
+        proc = subprocess.run(
+            ["scontrol", "requeue", job], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"scontrol requeue {job} failed ({exc}); resubmit the job by hand"
+    if proc.returncode != 0:
+        detail = (proc.stderr or proc.stdout).strip().splitlines()
+        return f"scontrol requeue {job} failed: {detail[0] if detail else proc.returncode}"
+    print(f"[hvdkit] requeued Slurm job {job}", file=sys.stderr, flush=True)
+    return f"requeued Slurm job {job}"

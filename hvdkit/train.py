@@ -1,0 +1,242 @@
+"""The training loop, readable in one sitting; the same code runs on every backend.
+
+``train(cfg)`` builds the example model, wraps it with the chosen backend,
+resumes from rank 0's newest checkpoint (or broadcasts rank 0's fresh
+weights), and trains with a linearly scaled, warmed-up learning rate. Every
+side effect (printing, files, requeue) is gated on ``master = backend.is_master``,
+which is the *global* rank 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from .backends import Backend, create_backend
+from .checkpoint import CheckpointManager, TrainingState
+from .config import TrainConfig
+from .data import H5Dataset, ShardSampler, per_rank_batch_size
+from .errors import ConfigError
+from .models import build_model, synthetic_dataset
+from .preemption import PreemptionGuard, requeue_slurm_job
+
+__all__ = ["TrainResult", "train", "make_optimizer", "warmup_factor", "param_digest"]
+
+
+@dataclass
+class TrainResult:
+    """What a run did, identical on every rank."""
+
+    backend: str
+    world_size: int
+    epoch_losses: list[float] = field(default_factory=list)
+    samples_per_sec: list[float] = field(default_factory=list)
+    global_step: int = 0
+    preempted: bool = False
+    requeue: str = ""
+    param_digest: str = ""
+    ranks: list[str] = field(default_factory=list)
+
+    @property
+    def final_loss(self) -> float:
+        return self.epoch_losses[-1] if self.epoch_losses else float("nan")
+
+
+def make_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """SGD (with momentum), Adam or AdamW at learning rate ``lr``."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    cls = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
+    return cls(params, lr=lr, weight_decay=cfg.weight_decay)
+
+
+def warmup_factor(step: int, warmup_steps: int, scale: float) -> float:
+    """LR multiplier: ramps from 1/scale (the unscaled LR) to 1 over ``warmup_steps`` (Goyal et al.)."""
+    if warmup_steps <= 0 or step >= warmup_steps:
+        return 1.0
+    start = 1.0 / scale
+    return start + (1.0 - start) * step / warmup_steps
+
+
+def param_digest(model: nn.Module) -> str:
+    """SHA-256 of all parameters and buffers, to compare ranks and runs bit for bit."""
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _log(msg: str) -> None:
+    print(f"[hvdkit] {msg}", flush=True)
+
+
+def train(cfg: TrainConfig, backend: Backend | None = None,
+          log: Callable[[str], None] = _log) -> TrainResult:
+    """Run one training job; collective, so every rank must call it."""
+    owns_backend = backend is None
+    backend = backend or create_backend(cfg.backend)
+    try:
+        return _train(cfg, backend, log)
+    finally:
+        if owns_backend:
+            backend.shutdown()
+
+
+def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None]) -> TrainResult:
+    master = backend.is_master  # global rank 0: the only rank with side effects
+    size, accum = backend.size, cfg.backend.accumulation_steps
+    result = TrainResult(backend=backend.name, world_size=size)
+    result.ranks = backend.gather_objects(f"{backend.rank}@{socket.gethostname()}:{os.getpid()}")
+
+    # -- batch geometry: per-rank micro-batch x ranks x accumulation = global batch
+    if cfg.global_batch_size is not None:
+        batch = per_rank_batch_size(cfg.global_batch_size, size, accum, cfg.exact_batch)
+    else:
+        batch = cfg.batch_size
+    global_batch = batch * size * accum
+    if master and cfg.global_batch_size not in (None, global_batch):
+        log(f"WARNING: global batch {cfg.global_batch_size} rounded down to {global_batch}")
+
+    dataset = H5Dataset(cfg.data) if cfg.data else synthetic_dataset(cfg.model, cfg.num_samples)
+    steps_per_epoch = len(dataset) // global_batch
+    if steps_per_epoch == 0:
+        raise ConfigError(
+            f"{len(dataset)} samples are fewer than one global batch of {global_batch}",
+            "use more --num-samples or a smaller --batch-size",
+        )
+    if cfg.steps_per_epoch:
+        steps_per_epoch = min(steps_per_epoch, cfg.steps_per_epoch)
+
+    # -- model and optimizer. Ranks start from *different* weights on purpose:
+    # broadcast_state (or restore) must make them rank 0's, and tests check it.
+    torch.manual_seed(cfg.seed + backend.rank)
+    model = build_model(cfg.model, seed=cfg.seed + backend.rank)
+    lr_scale = float(size * accum) if cfg.scale_lr else 1.0  # bigger global batch, bigger LR
+    optimizer = make_optimizer(cfg, model.parameters(), cfg.lr * lr_scale)
+    model, optimizer = backend.wrap(model, optimizer)
+    warmup_steps = int(cfg.warmup_epochs * steps_per_epoch)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_factor(step, warmup_steps, lr_scale)
+    )
+
+    ckpt = CheckpointManager(cfg.checkpoint_dir, backend, cfg.keep_checkpoints) if cfg.checkpoint_dir else None
+    state = ckpt.restore(model, optimizer, scheduler) if (ckpt and cfg.resume) else None
+    if state is None:
+        if not (ckpt and cfg.resume):  # restore() already broadcast rank 0's weights
+            backend.broadcast_state(model, optimizer)
+        state = TrainingState()
+    if master:
+        restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+        log(f"{backend.describe()}; world {size}, batch {batch}/rank, global {global_batch}, "
+            f"lr {cfg.lr * lr_scale:g}, {steps_per_epoch} steps/epoch, start step "
+            f"{state.global_step}, slurm restarts {restarts}")
+    result.epoch_losses = list(state.extra.get("epoch_losses", []))
+
+    loss_fn = nn.CrossEntropyLoss()
+    sampler = ShardSampler(len(dataset), size, backend.rank, seed=cfg.seed)
+    device = backend.device
+    with PreemptionGuard() as guard:
+        for epoch in range(state.epoch, cfg.epochs):
+            sampler.set_epoch(epoch, start=state.samples_in_epoch)
+            batches = iter(DataLoader(dataset, batch_size=batch, sampler=sampler, drop_last=True))
+            first_step = state.samples_in_epoch // global_batch
+            loss_sum = _resumed_loss_sum(state, backend)
+            model.train()
+            t0 = time.perf_counter()
+            for _ in range(first_step, steps_per_epoch):
+                step_loss = 0.0
+                for micro in range(accum):
+                    x, y = next(batches)
+                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                    # Only the last micro-batch communicates (DDP no_sync / Horovod
+                    # backward_passes_per_step); dividing by accum makes the summed
+                    # gradient the mean over the whole global batch.
+                    with backend.accumulate(model, sync=micro == accum - 1):
+                        loss = loss_fn(model(x), y) / accum
+                        loss.backward()
+                    step_loss += loss.item()
+                optimizer.step()
+                optimizer.zero_grad()
+                scheduler.step()
+                state.global_step += 1
+                state.samples_in_epoch += global_batch
+                state.samples_seen += global_batch
+                loss_sum += step_loss
+                if master and cfg.log_every and state.global_step % cfg.log_every == 0:
+                    log(f"step {state.global_step} loss {step_loss:.6f} lr {scheduler.get_last_lr()[0]:.5g}")
+
+                # All ranks must stop at the same step, whichever got the signal.
+                stop = backend.any_true(guard.requested)
+                periodic = cfg.checkpoint_every and state.global_step % cfg.checkpoint_every == 0
+                if ckpt and (stop or periodic):
+                    state.extra = {"loss_sums": backend.gather_objects(loss_sum),
+                                   "epoch_losses": result.epoch_losses}
+                    ckpt.save(model, optimizer, scheduler, state)
+                if stop:
+                    result.preempted = True
+                    requeue = backend.any_true(guard.should_requeue) and cfg.requeue
+                    if master:
+                        result.requeue = requeue_slurm_job() if requeue else "not requeued"
+                        log(f"preempted at step {state.global_step} (signal {guard.received}); "
+                            f"{'checkpoint saved' if ckpt else 'no checkpoint dir'}; {result.requeue}")
+                    result.global_step = state.global_step
+                    return result
+
+            elapsed = time.perf_counter() - t0
+            steps_here = steps_per_epoch - first_step
+            epoch_loss = backend.allreduce_metric(loss_sum / steps_per_epoch)
+            # Throughput of the slowest rank is the job's throughput.
+            slowest = backend.allreduce_metric(elapsed, op="max")
+            sps = steps_here * global_batch / slowest if slowest > 0 else float("nan")
+            result.epoch_losses.append(epoch_loss)
+            result.samples_per_sec.append(sps)
+            if master:
+                log(f"epoch {epoch} loss {epoch_loss:.6f} samples/s {sps:.1f} ({size} ranks)")
+            state.epoch, state.samples_in_epoch = epoch + 1, 0
+            state.extra = {"epoch_losses": result.epoch_losses}
+            if ckpt:
+                ckpt.save(model, optimizer, scheduler, state)
+
+    result.global_step = state.global_step
+    digests = backend.gather_objects(param_digest(backend.unwrap(model)))
+    result.param_digest = digests[0]
+    if master:
+        same = all(d == digests[0] for d in digests)
+        log(f"done: backend={backend.name} world={size} final_loss={result.final_loss!r} "
+            f"steps={state.global_step} params_identical_on_all_ranks={same} "
+            f"digest={digests[0]} ranks={' '.join(result.ranks)}")
+        if cfg.metrics_file:
+            _write_json(Path(cfg.metrics_file), {**dataclasses.asdict(result),
+                                                 "final_loss": result.final_loss,
+                                                 "params_identical": same,
+                                                 "config": dataclasses.asdict(cfg)})
+    return result
+
+
+def _resumed_loss_sum(state: TrainingState, backend: Backend) -> float:
+    """This rank's running loss sum for the epoch being resumed (its own if the world is unchanged)."""
+    sums = state.extra.get("loss_sums")
+    if not sums:
+        return 0.0
+    return float(sums[backend.rank]) if len(sums) == backend.size else sum(sums) / len(sums)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+    print(f"[hvdkit] wrote {path}", file=sys.stderr, flush=True)

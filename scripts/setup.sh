@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# One-shot, idempotent environment set-up for hvdkit on Debian/Ubuntu.
+#
+#   1. system packages (Open MPI, Slurm + munge, shellcheck, hdf5-tools)
+#   2. a virtualenv with torch==2.13.0 (CPU build) and the build tools
+#   3. Horovod 0.28.1 built with the C++17 patch, as a wheel cached under
+#      $HVDKIT_CACHE keyed by horovod+torch+python version (rebuilt never twice)
+#   4. mpi4py built against the system Open MPI, then hvdkit itself (editable)
+#
+# Environment knobs: HVDKIT_VENV (default ./.venv), HVDKIT_CACHE
+# (default ~/.cache/hvdkit), HVDKIT_SKIP_APT=1 to skip system packages.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${HVDKIT_VENV:-$ROOT/.venv}"
+CACHE="${HVDKIT_CACHE:-$HOME/.cache/hvdkit}"
+PYTHON="${PYTHON:-python3.11}"
+TORCH_VERSION="2.13.0"
+HOROVOD_VERSION="0.28.1"
+
+log() { printf '[setup] %s\n' "$*"; }
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+# --- 1. system packages -------------------------------------------------------
+APT_PACKAGES=(openmpi-bin libopenmpi-dev slurm-wlm munge shellcheck hdf5-tools)
+need_apt=0
+for cmd in mpirun mpicc sbatch slurmctld munged shellcheck h5dump; do
+  command -v "$cmd" >/dev/null 2>&1 || need_apt=1
+done
+if [ "${HVDKIT_SKIP_APT:-0}" != 1 ] && [ "$need_apt" = 1 ]; then
+  log "installing system packages: ${APT_PACKAGES[*]}"
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends "${APT_PACKAGES[@]}" >/dev/null
+else
+  log "system packages present"
+fi
+
+# --- 2. virtualenv + torch ------------------------------------------------------
+command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating venv $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip --disable-pip-version-check -q)
+if ! "$PY" -c "import torch,sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  log "installing torch==$TORCH_VERSION (CPU build) and build tools"
+  "${PIP[@]}" install --upgrade pip
+  "${PIP[@]}" install "torch==$TORCH_VERSION" numpy setuptools wheel 'cmake>=3.13,<4' packaging
+else
+  log "torch $TORCH_VERSION present"
+fi
+
+# --- 3. Horovod, patched for C++17, cached as a wheel --------------------------
+PYTAG="$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
+WHEEL_DIR="$CACHE/wheels/horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-$PYTAG"
+if "$PY" - <<PYEOF 2>/dev/null
+import sys, horovod, horovod.torch as hvd
+sys.exit(horovod.__version__ != "$HOROVOD_VERSION" or not hvd.gloo_built())
+PYEOF
+then
+  log "horovod $HOROVOD_VERSION (torch, gloo) present"
+else
+  if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
+    log "building horovod $HOROVOD_VERSION wheel with C++17 (a few minutes, done once)"
+    BUILD="$(mktemp -d)"
+    trap 'rm -rf "$BUILD"' EXIT
+    "${PIP[@]}" download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$BUILD"
+    tar -xzf "$BUILD"/horovod-"$HOROVOD_VERSION".tar.gz -C "$BUILD"
+    SRC="$BUILD/horovod-$HOROVOD_VERSION"
+    # PyTorch >= 2.1 headers require C++17; Horovod 0.28.1 pins C++14 in two places.
+    sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
+    grep -q 'CMAKE_CXX_STANDARD 17' "$SRC/horovod/torch/CMakeLists.txt"
+    mkdir -p "$WHEEL_DIR"
+    (cd "$SRC" && HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+      HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
+      MAKEFLAGS="-j$(nproc)" "$PY" -m pip --disable-pip-version-check wheel -q \
+      --no-build-isolation --no-deps -w "$WHEEL_DIR.tmp" . )
+    mv "$WHEEL_DIR.tmp"/horovod-*.whl "$WHEEL_DIR"/ && rm -rf "$WHEEL_DIR.tmp"
+  fi
+  log "installing cached horovod wheel from $WHEEL_DIR"
+  "${PIP[@]}" install --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl
+  "${PIP[@]}" install cloudpickle psutil pyyaml cffi   # horovod's runtime deps
+fi
+
+# --- 4. mpi4py against the system MPI, then hvdkit ---------------------------------
+if ! "$PY" -c "import mpi4py.MPI" 2>/dev/null; then
+  log "building mpi4py against $(command -v mpicc)"
+  MPICC="$(command -v mpicc)" "${PIP[@]}" install --no-binary mpi4py mpi4py
+fi
+log "installing hvdkit (editable) with test extras"
+"${PIP[@]}" install -e "$ROOT[test]"
+log "done: activate with 'source $VENV/bin/activate'"
