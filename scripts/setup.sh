@@ -89,5 +89,5 @@ if ! "$PY" -c "import mpi4py.MPI" 2>/dev/null; then
   MPICC="$(command -v mpicc)" "${PIP[@]}" install --no-binary mpi4py mpi4py
 fi
 log "installing hvdkit (editable) with test extras"
-"${PIP[@]}" install -e "$ROOT[test]"
+"${PIP[@]}" install -e "${ROOT}[test]"
 log "done: activate with 'source $VENV/bin/activate'"

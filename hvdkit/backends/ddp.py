@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -24,6 +25,12 @@ from .base import Backend
 
 T = TypeVar("T")
 
+# torch 2.13 renamed the per-forward buffer sync flag; use whichever this torch has.
+_BUFFER_SYNC_ARG = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else "broadcast_buffers"
+)
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
@@ -101,8 +108,8 @@ class DDPBackend(Backend):
             bucket_cap_mb=opts.bucket_cap_mb,
             gradient_as_bucket_view=opts.gradient_as_bucket_view,
             static_graph=opts.static_graph,
-            broadcast_buffers=opts.broadcast_buffers,
             find_unused_parameters=opts.find_unused_parameters,
+            **{_BUFFER_SYNC_ARG: opts.broadcast_buffers},
         )
         if opts.compression == "fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from .. import __version__
+from .run_cmd import run_command
 from .train_cmd import train_command
 
 __all__ = ["main", "cli"]
@@ -17,6 +18,7 @@ def cli() -> None:
 
 
 cli.add_command(train_command)
+cli.add_command(run_command)
 
 
 def main(argv: list[str] | None = None) -> None:

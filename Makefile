@@ -1,0 +1,15 @@
+# Command 1 (fresh machine): make demo   -- set everything up, then run the main job
+# Command 2:                 make test   -- run the test suite (sets up what it needs)
+.PHONY: demo setup test slurm bench lint
+demo: setup
+	./scripts/demo.sh
+setup:
+	./scripts/setup.sh
+test:
+	./scripts/test.sh
+slurm:
+	./scripts/local-slurm.sh up
+bench: setup
+	.venv/bin/hvdkit bench --quick --out bench-results
+lint:
+	shellcheck scripts/*.sh .ci/run
