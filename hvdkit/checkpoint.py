@@ -141,7 +141,7 @@ def write_checkpoint(path: str | os.PathLike[str], snap: Snapshot) -> Path:
                 "epoch": snap.state.epoch, "global_step": snap.state.global_step,
                 "samples_seen": snap.state.samples_seen,
                 "samples_in_epoch": snap.state.samples_in_epoch,
-                "hvdkit_version": __version__, "torch_version": torch.__version__,
+                "hvdkit_version": __version__, "torch_version": str(torch.__version__),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 **{k: v for k, v in snap.meta.items() if isinstance(v, (str, int, float))},
             })

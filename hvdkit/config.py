@@ -147,6 +147,7 @@ class TrainConfig:
     model: str = "cnn"
     epochs: int = 2
     steps_per_epoch: int | None = None
+    max_steps: int | None = None
     batch_size: int = 32
     global_batch_size: int | None = None
     exact_batch: bool = False
@@ -180,6 +181,8 @@ class TrainConfig:
             raise ConfigError(
                 f"global_batch_size must be >= 1, got {self.global_batch_size}", "raise it"
             )
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"max_steps must be >= 1, got {self.max_steps}", "raise it or omit it")
         if self.steps_per_epoch is not None and self.steps_per_epoch < 1:
             raise ConfigError(
                 f"steps_per_epoch must be >= 1, got {self.steps_per_epoch}", "raise it or omit it"

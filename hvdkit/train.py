@@ -145,6 +145,12 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None]) -> Tr
             f"{state.global_step}, slurm restarts {restarts}")
     result.epoch_losses = list(state.extra.get("epoch_losses", []))
 
+    if cfg.max_steps is not None and state.global_step >= cfg.max_steps:
+        if master:
+            log(f"already at max_steps={cfg.max_steps}: nothing to do")
+        result.global_step = state.global_step
+        return result
+
     loss_fn = nn.CrossEntropyLoss()
     sampler = ShardSampler(len(dataset), size, backend.rank, seed=cfg.seed)
     device = backend.device
@@ -180,8 +186,9 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None]) -> Tr
 
                 # All ranks must stop at the same step, whichever got the signal.
                 stop = backend.any_true(guard.requested)
+                limit = cfg.max_steps is not None and state.global_step >= cfg.max_steps
                 periodic = cfg.checkpoint_every and state.global_step % cfg.checkpoint_every == 0
-                if ckpt and (stop or periodic):
+                if ckpt and (stop or limit or periodic):
                     state.extra = {"loss_sums": backend.gather_objects(loss_sum),
                                    "epoch_losses": result.epoch_losses}
                     ckpt.save(model, optimizer, scheduler, state)
@@ -192,6 +199,12 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None]) -> Tr
                         result.requeue = requeue_slurm_job() if requeue else "not requeued"
                         log(f"preempted at step {state.global_step} (signal {guard.received}); "
                             f"{'checkpoint saved' if ckpt else 'no checkpoint dir'}; {result.requeue}")
+                    result.global_step = state.global_step
+                    return result
+                if limit:
+                    if master:
+                        log(f"stopped at max_steps={cfg.max_steps}"
+                            f"{'; checkpoint saved' if ckpt else ''}")
                     result.global_step = state.global_step
                     return result
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -33,40 +34,48 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _run_group(argvs: list[list[str]], envs: list[dict[str, str]], timeout: float,
+               cwd: Path | None) -> subprocess.CompletedProcess:
+    """Start each argv in its own process group; on timeout kill the groups (no orphans)."""
+    procs = [subprocess.Popen(a, env=e, cwd=cwd, text=True, start_new_session=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for a, e in zip(argvs, envs)]
+    outputs, codes = [], []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outputs.append(out)
+            codes.append(p.returncode)
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    code = next((c for c in codes if c != 0), 0)
+    return subprocess.CompletedProcess(argvs[0], code, "".join(outputs), "")
+
+
 def launch(kind: str, np: int, program: Sequence[str], timeout: float = 180,
            env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run ``program`` on ``np`` ranks with launcher ``kind`` and return the finished process.
 
     ``slurm-sim`` starts the ranks as plain processes with the variables srun
     would set (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST...).
+    Every launch runs in its own process group, killed whole when the test ends.
     """
     full_env = base_env(**(env or {}))
     if kind == "slurm-sim":
-        procs = []
-        for rank in range(np):
-            rank_env = dict(full_env, SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_PROCID=str(rank),
-                            SLURM_NTASKS=str(np), SLURM_LOCALID=str(rank),
-                            SLURM_JOB_NODELIST="localhost", SLURM_NODEID="0")
-            procs.append(subprocess.Popen(list(program), env=rank_env, cwd=cwd, text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        outputs, codes = [], []
-        for p in procs:
-            try:
-                out, _ = p.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                raise
-            outputs.append(out)
-            codes.append(p.returncode)
-        return subprocess.CompletedProcess(list(program), max(codes, key=abs), "".join(outputs), "")
+        envs = [dict(full_env, SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_PROCID=str(rank),
+                     SLURM_NTASKS=str(np), SLURM_LOCALID=str(rank),
+                     SLURM_JOB_NODELIST="localhost", SLURM_NODEID="0") for rank in range(np)]
+        return _run_group([list(program)] * np, envs, timeout, cwd)
     launcher, controller = {"hvd-gloo": ("horovodrun", "gloo"), "hvd-mpi": ("horovodrun", "mpi"),
                             "mpirun": ("mpirun", "gloo")}[kind]
     argv, extra = build_local_command(LocalLaunch(np=np, launcher=launcher, controller=controller),
                                       program, full_env)
     full_env.update(extra)
-    return subprocess.run(argv, env=full_env, cwd=cwd, text=True, timeout=timeout,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return _run_group([argv], [full_env], timeout, cwd)
 
 
 def check(proc: subprocess.CompletedProcess) -> str:

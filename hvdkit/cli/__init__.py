@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from .. import __version__
+from .ckpt_cmd import ckpt_group, data_group
 from .run_cmd import run_command
 from .train_cmd import train_command
 
@@ -19,6 +20,8 @@ def cli() -> None:
 
 cli.add_command(train_command)
 cli.add_command(run_command)
+cli.add_command(ckpt_group)
+cli.add_command(data_group)
 
 
 def main(argv: list[str] | None = None) -> None:

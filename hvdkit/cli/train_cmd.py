@@ -47,6 +47,8 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
 @_opt("--model", type=click.Choice(sorted(MODELS)), default=_TRAIN["model"], help="Example model.")
 @_opt("--epochs", type=click.IntRange(min=1), default=_TRAIN["epochs"])
 @_opt("--steps-per-epoch", type=click.IntRange(min=1), default=None, help="Cap on optimizer steps per epoch.")
+@_opt("--max-steps", type=click.IntRange(min=1), default=None,
+      help="Stop (and checkpoint) after this many optimizer steps in total.")
 @_opt("--batch-size", type=click.IntRange(min=1), default=_TRAIN["batch_size"], help="Micro-batch per rank.")
 @_opt("--global-batch-size", type=click.IntRange(min=1), default=None,
       help="Global batch per optimizer step; overrides --batch-size.")

@@ -1,0 +1,73 @@
+"""``hvdkit ckpt show`` and ``hvdkit data make-synthetic``: inspect checkpoints, make datasets."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from ..models import MODELS
+from .common import translate_errors
+
+
+@click.group("ckpt")
+def ckpt_group() -> None:
+    """Inspect hvdkit HDF5 checkpoints."""
+
+
+@ckpt_group.command("show")
+@click.argument("path", type=click.Path(dir_okay=True))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@translate_errors
+def ckpt_show(path: str, as_json: bool) -> None:
+    """Epoch, step, tensors, sizes, versions and checksum verdict of PATH.
+
+    PATH may be a checkpoint directory (its 'latest' file is shown). Exits 1 when
+    the checksum does not verify.
+    """
+    from pathlib import Path
+
+    from ..checkpoint import summarize_checkpoint
+
+    target = Path(path)
+    if target.is_dir():
+        pointer = target / "latest"
+        if not pointer.is_file():
+            raise click.ClickException(f"{target} has no 'latest' checkpoint pointer")
+        target = target / pointer.read_text().strip()
+    info = summarize_checkpoint(target)
+    if as_json:
+        click.echo(json.dumps(info, indent=2, default=str))
+    else:
+        meta = info["meta"]
+        total = sum(t[3] for t in info["tensors"])
+        click.echo(f"checkpoint   {target}")
+        for key in ("epoch", "global_step", "samples_seen", "world_size", "backend",
+                    "hvdkit_version", "torch_version", "created"):
+            click.echo(f"{key:<12} {meta.get(key)}")
+        click.echo(f"tensors      {len(info['tensors'])} ({total / 2**20:.2f} MiB)")
+        for name, dtype, shape, nbytes in info["tensors"]:
+            click.echo(f"  {name:<40} {dtype:<9} {str(list(shape)):<16} {nbytes:>12,d} B")
+        verdict = "OK" if info["checksum_ok"] else f"FAILED: {info['checksum_message']}"
+        click.echo(f"checksum     {verdict}")
+    sys.exit(0 if info["checksum_ok"] else 1)
+
+
+@click.group("data")
+def data_group() -> None:
+    """Datasets for the example models."""
+
+
+@data_group.command("make-synthetic")
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--model", type=click.Choice(sorted(MODELS)), default="cnn", show_default=True)
+@click.option("--num-samples", type=click.IntRange(min=1), default=1024, show_default=True)
+@click.option("--seed", type=int, default=1234, show_default=True)
+@translate_errors
+def make_synthetic(path: str, model: str, num_samples: int, seed: int) -> None:
+    """Write the synthetic dataset of MODEL to an HDF5 file (datasets x, y)."""
+    from ..data import make_synthetic_h5
+
+    out = make_synthetic_h5(path, model, num_samples, seed)
+    click.echo(f"wrote {out} ({num_samples} samples for model {model})")

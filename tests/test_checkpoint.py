@@ -1,0 +1,192 @@
+"""HDF5 checkpoint format: exact round trip, readable by plain h5py/h5dump, corruption detected."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from hvdkit import LocalBackend, BackendConfig, build_model
+from hvdkit.checkpoint import (
+    CheckpointManager,
+    Snapshot,
+    TrainingState,
+    capture_rng,
+    read_checkpoint,
+    restore_rng,
+    verify_checkpoint,
+    write_checkpoint,
+)
+from hvdkit.cli import cli
+from hvdkit.errors import CheckpointError
+
+
+def trained_state():
+    torch.manual_seed(0)
+    model = build_model("mlp")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.8, 0.99))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(3):
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return model, opt, sched
+
+
+def assert_tree_equal(a, b, path="root"):
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_tree_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_tree_equal(x, y, f"{path}[{i}]")
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), path
+    else:
+        assert a == b, path
+
+
+def test_round_trip_is_exact(tmp_path):
+    model, opt, sched = trained_state()
+    tensors = {
+        **model.state_dict(),
+        "extra.bf16": torch.randn(5, 3).to(torch.bfloat16),
+        "extra.fp16": torch.randn(7).half(),
+        "extra.int": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "extra.bool": torch.tensor([True, False]),
+        "extra.scalar": torch.tensor(3.5),
+        "weird/name with spaces": torch.ones(2),
+    }
+    snap = Snapshot(model=tensors, optimizer=opt.state_dict(), scheduler=sched.state_dict(),
+                    state=TrainingState(epoch=2, global_step=17, samples_seen=544, samples_in_epoch=32,
+                                        extra={"loss_sums": [1.5, 2.25], "epoch_losses": [0.5]}),
+                    rng=[capture_rng(), capture_rng()], meta={"world_size": 2, "backend": "ddp"})
+    path = write_checkpoint(tmp_path / "ckpt-000000017.h5", snap)
+    back = read_checkpoint(path)
+    assert_tree_equal(snap.model, back.model)
+    assert_tree_equal(snap.optimizer, back.optimizer)  # tensors, 'step', betas tuple, param groups
+    assert_tree_equal(snap.scheduler, back.scheduler)
+    assert back.state == snap.state
+    assert back.meta["world_size"] == 2 and back.meta["backend"] == "ddp"
+    assert back.meta["torch_version"] == torch.__version__
+    # the optimizer state really loads into a fresh optimizer
+    model2 = build_model("mlp")
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-3)
+    opt2.load_state_dict(back.optimizer)
+    # RNG restore reproduces the same draws
+    restore_rng(back.rng[0])
+    a = (torch.rand(3), np.random.rand(), random.random())
+    restore_rng(snap.rng[0])
+    b = (torch.rand(3), np.random.rand(), random.random())
+    assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+def test_plain_h5py_and_h5dump_can_read_it(tmp_path):
+    model, opt, _ = trained_state()
+    path = write_checkpoint(tmp_path / "c.h5", Snapshot(model=model.state_dict(), optimizer=opt.state_dict(),
+                                                        state=TrainingState(global_step=3)))
+    with h5py.File(path, "r") as f:
+        assert f.attrs["format"] == "hvdkit-checkpoint" and f.attrs["global_step"] == 3
+        w = f["model/inp.weight"][()]
+        assert np.array_equal(w, model.state_dict()["inp.weight"].numpy())
+        assert "exp_avg" in f["optimizer/state/0"]
+    if shutil.which("h5dump"):
+        out = subprocess.run(["h5dump", "-H", str(path)], capture_output=True, text=True, check=True).stdout
+        assert 'DATASET "inp.weight"' in out and "H5T_IEEE_F32LE" in out
+
+
+def test_bit_flip_and_truncation_are_detected(tmp_path):
+    model, _, _ = trained_state()
+    good = write_checkpoint(tmp_path / "good.h5", Snapshot(model=model.state_dict()))
+    assert verify_checkpoint(good) == (True, "checksum OK")
+
+    flipped = tmp_path / "flipped.h5"
+    shutil.copy(good, flipped)
+    with h5py.File(flipped, "r") as f:
+        offset = f["model/blocks.3.fc.weight"].id.get_offset() + 101
+    with open(flipped, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0x10]))
+    ok, message = verify_checkpoint(flipped)
+    assert not ok and "checksum mismatch in dataset /model/blocks.3.fc.weight" in message
+    with pytest.raises(CheckpointError, match="is corrupt"):
+        read_checkpoint(flipped)
+
+    truncated = tmp_path / "truncated.h5"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    ok, message = verify_checkpoint(truncated)
+    assert not ok and "truncated or not an HDF5 file" in message and "\n" not in message
+
+
+def test_manager_keeps_last_n_and_falls_back_past_corrupt(tmp_path, capsys):
+    backend = LocalBackend(BackendConfig())
+    mgr = CheckpointManager(tmp_path, backend, keep=2)
+    stale = tmp_path / ".ckpt-000000009.h5.tmp4242"  # left by a writer killed mid-write
+    stale.write_bytes(b"half")
+    model = build_model("tiny")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            next(model.parameters()).fill_(step)
+        mgr.save(model, opt, None, TrainingState(global_step=step))
+    assert not stale.exists()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["ckpt-000000002.h5", "ckpt-000000003.h5", "latest"]
+    assert (tmp_path / "latest").read_text().strip() == "ckpt-000000003.h5"
+
+    # corrupt the newest: resume warns and uses step 2
+    newest = tmp_path / "ckpt-000000003.h5"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    fresh = build_model("tiny", seed=9)
+    state = mgr.restore(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
+    assert state.global_step == 2
+    assert torch.all(next(fresh.parameters()) == 2)
+    assert "WARNING: skipping checkpoint" in capsys.readouterr().err
+
+
+def test_restore_with_no_checkpoint_is_fresh_start(tmp_path):
+    mgr = CheckpointManager(tmp_path / "none", LocalBackend(BackendConfig()))
+    model = build_model("tiny")
+    assert mgr.restore(model, torch.optim.SGD(model.parameters(), lr=0.1)) is None
+
+
+def test_failed_write_is_one_error_not_a_half_file(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    mgr = CheckpointManager(blocker, LocalBackend(BackendConfig()))
+    model = build_model("tiny")
+    with pytest.raises(CheckpointError, match="rank 0 failed to handle the checkpoint") as info:
+        mgr.save(model, None, None, TrainingState(global_step=1))
+    assert "HINT:" in str(info.value)
+    assert blocker.read_text() == "x"
+
+
+def test_ckpt_show_cli(tmp_path):
+    model, opt, _ = trained_state()
+    path = write_checkpoint(tmp_path / "ckpt-000000005.h5", Snapshot(
+        model=model.state_dict(), optimizer=opt.state_dict(), state=TrainingState(epoch=1, global_step=5),
+        meta={"world_size": 2, "backend": "horovod"}))
+    (tmp_path / "latest").write_text(path.name)
+    result = CliRunner().invoke(cli, ["ckpt", "show", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "global_step  5" in result.output and "backend      horovod" in result.output
+    assert "inp.weight" in result.output and "checksum     OK" in result.output
+    with h5py.File(path, "r+") as f:
+        f["model/inp.bias"][0] += 1.0  # silent change of one value
+    result = CliRunner().invoke(cli, ["ckpt", "show", str(path)])
+    assert result.exit_code == 1 and "checksum     FAILED" in result.output

@@ -1,0 +1,130 @@
+"""Resume on every rank: bitwise-equal continuation, crash-safe writes, only rank 0 writes."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import HVDKIT, PY, WORKERS, base_env, check, launch
+from hvdkit.checkpoint import read_checkpoint, verify_checkpoint
+from hvdkit.launch.local import MPIRUN_BASE
+from test_checkpoint import assert_tree_equal
+
+TRAIN = ["train", "--model", "mlp", "--epochs", "2", "--steps-per-epoch", "6", "--num-samples", "512",
+         "--optimizer", "adam", "--batch-size", "16"]
+BACKENDS = [("horovod", "hvd-gloo"), ("ddp", "mpirun")]
+
+
+def final_loss(output: str) -> str:
+    return re.search(r"final_loss=(\S+)", output).group(1)
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("backend,kind", BACKENDS)
+def test_interrupted_run_equals_uninterrupted_bitwise(tmp_path, backend, kind):
+    args = [*HVDKIT, *TRAIN, "--backend", backend]
+    straight = check(launch(kind, 2, [*args, "--checkpoint-dir", str(tmp_path / "a")]))
+    first = check(launch(kind, 2, [*args, "--checkpoint-dir", str(tmp_path / "b"), "--max-steps", "4"]))
+    assert "stopped at max_steps=4" in first
+    second = check(launch(kind, 2, [*args, "--checkpoint-dir", str(tmp_path / "b")]))
+    assert "start step 4" in second
+    assert final_loss(straight) == final_loss(second)
+    a = read_checkpoint(tmp_path / "a" / "ckpt-000000012.h5")
+    b = read_checkpoint(tmp_path / "b" / "ckpt-000000012.h5")
+    assert_tree_equal(a.model, b.model)            # parameters bitwise equal
+    assert_tree_equal(a.optimizer, b.optimizer)    # Adam moments and step counts too
+    assert_tree_equal(a.scheduler, b.scheduler)
+    assert a.state == b.state
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(300)
+def test_resume_with_a_different_world_size(tmp_path):
+    ckpt = str(tmp_path / "c")
+    args = [*HVDKIT, "train", "--model", "mlp", "--epochs", "2", "--num-samples", "1024",
+            "--batch-size", "32", "--checkpoint-dir", ckpt]
+    check(launch("mpirun", 2, [*args, "--backend", "ddp", "--max-steps", "4"]))
+    # 4 steps at np=2 consumed 256 samples of epoch 0; at np=1 the rest of epoch 0 is
+    # (1024-256)/32 = 24 steps, epoch 1 is 32: 60 steps in all.
+    proc = subprocess.run([*args, "--backend", "local"], env=base_env(), capture_output=True, text=True,
+                          timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "start step 4" in proc.stdout and "steps=60" in proc.stdout
+
+
+def mpmd(program: list[str], dirs: list[Path]) -> list[str]:
+    """mpirun with one working directory per rank: rank r runs in dirs[r]."""
+    argv = ["mpirun", *MPIRUN_BASE, "-x", "PYTHONPATH", "-x", "PATH"]
+    for i, d in enumerate(dirs):
+        argv += (([":"] if i else []) + ["-np", "1", "-wdir", str(d), *program])
+    return argv
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["horovod", "ddp"])
+def test_only_rank_zero_creates_files(tmp_path, backend):
+    dirs = [tmp_path / "rank0", tmp_path / "rank1"]
+    for d in dirs:
+        d.mkdir()
+    # relative paths: whatever a rank writes lands in its own working directory
+    program = [*HVDKIT, "train", "--backend", backend, "--model", "tiny", "--epochs", "2",
+               "--num-samples", "256", "--checkpoint-dir", "ckpt", "--checkpoint-every", "3",
+               "--metrics-file", "metrics.json"]
+    proc = subprocess.run(mpmd(program, dirs), env=base_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "params_identical_on_all_ranks=True" in proc.stdout
+    made = sorted(str(p.relative_to(dirs[0])) for p in dirs[0].rglob("*"))
+    assert "metrics.json" in made and "ckpt/latest" in made
+    assert any(m.startswith("ckpt/ckpt-") for m in made)
+    assert list(dirs[1].rglob("*")) == [], "rank 1 created files"
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(300)
+def test_sigkill_rank0_mid_write_never_loses_the_previous_checkpoint(tmp_path):
+    directory = tmp_path / "ck"
+    mid_write_kills, rounds = 0, 0
+    env = base_env()
+    while mid_write_kills < 3 and rounds < 12:
+        rounds += 1
+        argv = ["mpirun", "-np", "2", *MPIRUN_BASE, "-x", "PYTHONPATH", PY,
+                str(WORKERS / "ckpt_writer.py"), "ddp", str(directory), "save"]
+        proc = subprocess.Popen(argv, env=env, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        rank0_pid, last_saved = None, 0
+        deadline = time.time() + 60
+        for line in proc.stdout:
+            if line.startswith("rank 0 pid"):
+                rank0_pid = int(line.split()[-1])
+            if line.startswith("saved"):
+                last_saved = int(line.split()[1])
+                break
+            assert time.time() < deadline, "writer did not start"
+        time.sleep(0.05 + 0.4 * (rounds % 5) / 5)
+        os.kill(rank0_pid, signal.SIGKILL)          # rank 0 dies wherever it is
+        tmp_files = list(directory.glob(".ckpt-*.tmp*"))
+        mid_write_kills += bool(tmp_files)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        # every complete-named file is valid, and there is at least the one we saw saved
+        complete = sorted(directory.glob("ckpt-*.h5"))
+        assert complete, "no checkpoint survived"
+        for path in complete:
+            assert verify_checkpoint(path)[0], path
+        newest = int(complete[-1].name[5:14])
+        assert newest >= last_saved
+    assert mid_write_kills >= 1, "never managed to kill rank 0 during a write"
+    # and a 2-rank job resumes from the newest valid one on every rank
+    out = check(launch("mpirun", 2, [PY, str(WORKERS / "ckpt_writer.py"), "ddp", str(directory), "restore"]))
+    steps = re.findall(r"rank (\d) restored step (\d+) value (\S+)", out)
+    assert len(steps) == 2 and steps[0][1:] == steps[1][1:]
+    assert float(steps[0][2]) == float(steps[0][1])  # weights match the step they were saved at
