@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -197,7 +198,7 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None]) -> Tr
                     requeue = backend.any_true(guard.should_requeue) and cfg.requeue
                     if master:
                         result.requeue = requeue_slurm_job() if requeue else "not requeued"
-                        log(f"preempted at step {state.global_step} (signal {guard.received}); "
+                        log(f"preempted at step {state.global_step} by {signal.Signals(guard.received).name}; "
                             f"{'checkpoint saved' if ckpt else 'no checkpoint dir'}; {result.requeue}")
                     result.global_step = state.global_step
                     return result

@@ -7,6 +7,7 @@ import click
 from .. import __version__
 from .ckpt_cmd import ckpt_group, data_group
 from .run_cmd import run_command
+from .slurm_cmd import slurm_command
 from .train_cmd import train_command
 
 __all__ = ["main", "cli"]
@@ -20,6 +21,7 @@ def cli() -> None:
 
 cli.add_command(train_command)
 cli.add_command(run_command)
+cli.add_command(slurm_command)
 cli.add_command(ckpt_group)
 cli.add_command(data_group)
 

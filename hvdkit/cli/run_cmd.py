@@ -9,15 +9,8 @@ from typing import Any
 
 import click
 
-from ..launch.local import LocalLaunch, build_local_command, format_command
+from ..launch.local import LocalLaunch, build_local_command, format_command, training_program
 from .common import config_option, translate_errors
-
-
-def training_program(backend: str, args: tuple[str, ...]) -> list[str]:
-    """``ARGS`` as given when they name a program, else ``hvdkit train --backend B ARGS``."""
-    if args and not args[0].startswith("-"):
-        return list(args)
-    return [sys.executable, "-m", "hvdkit", "train", "--backend", backend, *args]
 
 
 @click.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

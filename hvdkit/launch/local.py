@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 
-__all__ = ["LAUNCHERS", "LocalLaunch", "build_local_command", "format_command", "root_mpi_env"]
+__all__ = [
+    "LAUNCHERS", "LocalLaunch", "build_local_command", "format_command", "root_mpi_env",
+    "training_program",
+]
 
 LAUNCHERS = ("horovodrun", "mpirun")
 
@@ -22,6 +26,13 @@ LAUNCHERS = ("horovodrun", "mpirun")
 # ranks by slot, TCP only (no InfiniBand probing on machines without it).
 MPIRUN_BASE = ["-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib"]
 FORWARDED_VARS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "NCCL_DEBUG", "OMP_NUM_THREADS")
+
+
+def training_program(backend: str, args: Sequence[str], python: str | None = None) -> list[str]:
+    """``args`` as given when they name a program, else ``python -m hvdkit train --backend B args``."""
+    if args and not args[0].startswith("-"):
+        return list(args)
+    return [python or sys.executable, "-m", "hvdkit", "train", "--backend", backend, *args]
 
 
 def root_mpi_env() -> dict[str, str]:

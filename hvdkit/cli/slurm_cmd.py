@@ -1,0 +1,133 @@
+"""``hvdkit slurm``: render (and optionally submit) an sbatch script from slurm/ templates."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+
+from ..errors import ConfigError
+from ..launch.local import training_program
+from ..launch.slurm import SLURM_LAUNCHERS, SRUN_MPI, SlurmJob, render_sbatch, submit
+from .common import config_option, translate_errors
+
+
+def _pairs(values: tuple[str, ...], what: str) -> tuple[tuple[str, str], ...]:
+    out = []
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{item!r} is not NAME=VALUE", param_hint=what)
+        out.append((key, value))
+    return tuple(out)
+
+
+def build_job(o: dict[str, Any]) -> SlurmJob:
+    """Translate parsed ``hvdkit slurm`` options into a :class:`SlurmJob` (pure)."""
+    env = list(_pairs(tuple(o["env"]), "--env"))
+    if o["fusion_threshold_mb"] is not None:
+        env.append(("HOROVOD_FUSION_THRESHOLD", str(int(o["fusion_threshold_mb"] * 2**20))))
+    if o["cycle_time_ms"] is not None:
+        env.append(("HOROVOD_CYCLE_TIME", repr(float(o["cycle_time_ms"]))))
+    if o["iface"]:
+        env += [("NCCL_SOCKET_IFNAME", o["iface"]), ("GLOO_SOCKET_IFNAME", o["iface"]),
+                ("HOROVOD_GLOO_IFACE", o["iface"])]
+    python = "python" if (o["venv"] or o["conda_env"]) else sys.executable
+    return SlurmJob(
+        program=tuple(training_program(o["backend"], tuple(o["args"]), python)),
+        backend=o["backend"], job_name=o["job_name"], nodes=o["nodes"],
+        tasks_per_node=o["tasks_per_node"], gpus_per_node=o["gpus_per_node"],
+        gpus_per_task=o["gpus_per_task"], cpus_per_task=o["cpus_per_task"], mem=o["mem"],
+        time=o["time"], partition=o["partition"], account=o["account"], qos=o["qos"],
+        constraint=o["constraint"], output=o["output"], error=o["error"],
+        modules=tuple(o["module"]), venv=o["venv"], conda_env=o["conda_env"], workdir=o["workdir"],
+        extra_sbatch=tuple(o["sbatch"]), env=tuple(env), launcher=o["launcher"],
+        srun_mpi=o["srun_mpi"], signal=o["signal"],
+        signal_seconds=o["signal_seconds"] or None, requeue=o["requeue"], array=o["array"],
+        array_params=o["array_params"], results_dir=o["results_dir"],
+        checkpoint_dir=o["checkpoint_dir"], process_group=o["process_group"],
+    )
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.chmod(0o755)
+    os.replace(tmp, path)
+
+
+@click.command("slurm", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@config_option
+@click.option("--backend", type=click.Choice(["horovod", "ddp"]), default="horovod", show_default=True)
+@click.option("-J", "--job-name", default="hvdkit", show_default=True)
+@click.option("-N", "--nodes", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--tasks-per-node", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Ranks per node (= GPUs per node on GPU machines).")
+@click.option("--gpus-per-node", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--gpus-per-task", type=click.IntRange(min=1), default=None)
+@click.option("-c", "--cpus-per-task", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--mem", default=None, help="Memory per node, e.g. 64G.")
+@click.option("-t", "--time", default="01:00:00", show_default=True, help="Time limit (Slurm formats).")
+@click.option("-p", "--partition", default=None)
+@click.option("-A", "--account", default=None)
+@click.option("--qos", default=None)
+@click.option("-C", "--constraint", default=None)
+@click.option("--output", default=None, help="stdout path [default: %x-%j.out, arrays %x-%A_%a.out].")
+@click.option("--error", default=None, help="stderr path (default: same as --output).")
+@click.option("--module", multiple=True, help="'module load' this (repeatable).")
+@click.option("--venv", default=None, help="Virtualenv to activate on the nodes.")
+@click.option("--conda-env", default=None, help="Conda env to activate on the nodes.")
+@click.option("--workdir", default=None, help="cd here before running.")
+@click.option("--sbatch", multiple=True, help="Extra #SBATCH option, e.g. --sbatch=--exclusive (repeatable).")
+@click.option("--env", multiple=True, help="NAME=VALUE to export (repeatable).")
+@click.option("--fusion-threshold-mb", type=click.FloatRange(min=0), default=None, help="HOROVOD_FUSION_THRESHOLD.")
+@click.option("--cycle-time-ms", type=click.FloatRange(min=0, min_open=True), default=None, help="HOROVOD_CYCLE_TIME.")
+@click.option("--iface", default=None, help="Network interface for NCCL/Gloo/Horovod (e.g. ib0).")
+@click.option("--launcher", type=click.Choice(SLURM_LAUNCHERS), default="srun", show_default=True)
+@click.option("--srun-mpi", type=click.Choice(SRUN_MPI), default="pmix", show_default=True,
+              help="srun --mpi plugin for Horovod (DDP needs none).")
+@click.option("--process-group", type=click.Choice(["gloo", "nccl"]), default=None,
+              help="Only to validate DDP GPU requests; the training picks it automatically.")
+@click.option("--signal", default="USR1", show_default=True, help="Signal sent before the time limit.")
+@click.option("--signal-seconds", type=click.IntRange(min=0), default=90, show_default=True,
+              help="How early (0 = no signal).")
+@click.option("--requeue/--no-requeue", default=True, show_default=True)
+@click.option("--array", default=None, help="Job array spec, e.g. 0-2 or 0-15%4.")
+@click.option("--array-params", default=None, help="File: line i+1 = training options of array task i.")
+@click.option("--results-dir", default=None, help="Each task writes its metrics JSON here.")
+@click.option("--checkpoint-dir", default=None, help="Checkpoints (per array task when --array).")
+@click.option("--template-dir", type=click.Path(file_okay=False), default=None,
+              help="Your adapted copy of slurm/.")
+@click.option("-o", "--out", "out", type=click.Path(dir_okay=False), default=None, help="Write the script here.")
+@click.option("--submit", is_flag=True, help="Submit with sbatch and print the job id.")
+@click.option("--print-config", is_flag=True, help="Print the merged options (config file + flags) and exit.")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@translate_errors
+def slurm_command(**o: Any) -> None:
+    """Generate an sbatch script for N nodes x tasks-per-node ranks.
+
+    ARGS are 'hvdkit train' options, or after '--' a program of your own.
+    """
+    if o["print_config"]:
+        shown = {k: (list(v) if isinstance(v, tuple) else v) for k, v in o.items()
+                 if k not in ("print_config", "submit", "out")}
+        click.echo(yaml.safe_dump(shown, sort_keys=True), nl=False)
+        return
+    try:
+        job = build_job(o)
+        text = render_sbatch(job, Path(o["template_dir"]) if o["template_dir"] else None)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    if o["out"]:
+        _write_atomic(Path(o["out"]), text)
+        click.echo(f"wrote {o['out']}", err=True)
+    elif not o["submit"]:
+        click.echo(text, nl=False)
+    if o["submit"]:
+        job_id = submit(text)
+        click.echo(f"Submitted batch job {job_id}")

@@ -1,0 +1,82 @@
+"""Render the job-script templates kept in ``slurm/``.
+
+Jinja2 rather than ``string.Template``: the templates need conditionals and
+loops (optional ``#SBATCH`` lines, modules, exports), and with
+``string.Template`` every bash ``$VAR`` in them would have to be written
+``$$VAR``, which makes them hard for users to copy and adapt. Safety comes
+from ``finalize``: every ``{{ value }}`` is passed through ``shlex.quote``
+unless the Python side marked it :class:`Raw` after validating it, so a
+template cannot forget to quote a path with spaces, quotes or ``$``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+__all__ = ["Raw", "template_dir", "render_template"]
+
+
+class Raw(str):
+    """A string already validated as safe shell text; emitted without quoting."""
+
+
+def _finalize(value: Any) -> str:
+    if isinstance(value, Raw):
+        return str(value)
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    if value is None:
+        raise ConfigError("a template printed a missing value", "fix the template in slurm/")
+    return shlex.quote(str(value))
+
+
+def template_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """Where templates live: ``explicit``, ``$HVDKIT_TEMPLATE_DIR``, the checkout's ``slurm/``,
+    or ``<prefix>/share/hvdkit/slurm`` for a wheel install."""
+    if explicit:
+        if not (Path(explicit) / "_header.sbatch").is_file():
+            raise ConfigError(f"template directory {explicit} has no _header.sbatch",
+                              "copy hvdkit's slurm/ folder and edit the copy")
+        return Path(explicit)
+    candidates = [os.environ.get("HVDKIT_TEMPLATE_DIR"),
+                  Path(__file__).resolve().parents[2] / "slurm",
+                  Path(sys.prefix) / "share" / "hvdkit" / "slurm"]
+    for cand in candidates:
+        if cand and (Path(cand) / "_header.sbatch").is_file():
+            return Path(cand)
+    raise ConfigError("hvdkit's slurm/ templates were not found",
+                      "set HVDKIT_TEMPLATE_DIR to a copy of the repository's slurm/ folder")
+
+
+def render_template(name: str, context: dict[str, Any], directory: Path | None = None) -> str:
+    """Render ``slurm/<name>`` with ``context``; pure apart from reading the template files."""
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(directory or template_dir())),
+        undefined=jinja2.StrictUndefined,
+        finalize=_finalize,
+        autoescape=False,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        # bash's ${#array[@]} would otherwise open a Jinja comment
+        comment_start_string="{##",
+        comment_end_string="##}",
+    )
+    try:
+        return env.get_template(name).render(**context)
+    except jinja2.TemplateNotFound:
+        raise ConfigError(f"template {name} not found in {directory or template_dir()}",
+                          "copy hvdkit's slurm/ folder and edit the copy") from None
+    except jinja2.UndefinedError as exc:
+        raise ConfigError(f"template {name} uses an unknown value: {exc}",
+                          "check the variable names against 'hvdkit slurm --print-config'") from None

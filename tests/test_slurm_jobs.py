@@ -1,0 +1,151 @@
+"""Generated scripts submitted to the real local Slurm (slurmctld + slurmd + munge).
+
+scripts/test.sh starts the cluster (scripts/local-slurm.sh up) before pytest.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import ROOT
+from hvdkit.cli import cli
+
+pytestmark = [pytest.mark.slurm]
+VENV = sys.prefix
+TRAIN = ["--model", "cnn", "--epochs", "3", "--num-samples", "1024", "--batch-size", "32"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm_up():
+    ok = shutil.which("sbatch") and subprocess.run(["sinfo", "-h"], capture_output=True).returncode == 0
+    assert ok, "local Slurm is not running: run scripts/local-slurm.sh up (scripts/test.sh does)"
+
+
+def job_state(job: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    m = re.search(r"JobState=(\w+)", out)
+    return m.group(1) if m else "UNKNOWN"
+
+
+def wait_done(job: str, timeout: float = 240, kick_requeued: bool = False) -> str:
+    """Poll until the job ends. ``kick_requeued`` waives Slurm's ~2 min requeue delay."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = job_state(job)
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return state
+        if kick_requeued and state == "PENDING":
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+        time.sleep(1)
+    subprocess.run(["scancel", job])
+    raise AssertionError(f"job {job} still {job_state(job)} after {timeout}s")
+
+
+def render(tmp_path: Path, name: str, *args: str) -> Path:
+    script = tmp_path / f"{name}.sh"
+    result = CliRunner().invoke(cli, ["slurm", "--venv", VENV, "--time", "10:00", "-J", name,
+                                      "--output", str(tmp_path / f"{name}-%j.out"), "-o", str(script),
+                                      *args])
+    assert result.exit_code == 0, result.output
+    lint = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout
+    return script
+
+
+def sbatch(script: Path, cwd: Path) -> str:
+    proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def final_loss(log: str) -> float:
+    return float(re.search(r"final_loss=(\S+)", log).group(1))
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory):
+    """One uninterrupted 2-task run per backend, submitted for real; losses keyed by backend."""
+    tmp = tmp_path_factory.mktemp("ref")
+    jobs = {b: sbatch(render(tmp, f"ref-{b}", "--backend", b, "--tasks-per-node", "2", "--", *TRAIN), tmp)
+            for b in ("ddp", "horovod")}
+    logs = {}
+    for backend, job in jobs.items():
+        assert wait_done(job) == "COMPLETED", (tmp / f"ref-{backend}-{job}.out").read_text()
+        logs[backend] = (tmp / f"ref-{backend}-{job}.out").read_text()
+    return logs
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("backend", ["ddp", "horovod"])
+def test_two_task_training_completes(reference_losses, backend):
+    log = reference_losses[backend]
+    assert "[sbatch] job" in log and "2 tasks" in log
+    assert f"backend={backend} world=2" in log
+    ranks = re.search(r" ranks=(.*)$", log, re.M).group(1).split()
+    assert sorted(r.split("@")[0] for r in ranks) == ["0", "1"]   # both ranks took part
+    assert "params_identical_on_all_ranks=True" in log
+    loss = final_loss(log)
+    assert 0 < loss < 2.31  # below the ~2.303 of chance on 10 classes: it learned
+
+
+@pytest.mark.timeout(300)
+def test_horovod_and_ddp_agree(reference_losses):
+    assert final_loss(reference_losses["ddp"]) == final_loss(reference_losses["horovod"])
+
+
+@pytest.mark.timeout(400)
+def test_sigusr1_checkpoints_requeues_and_resumes(tmp_path, reference_losses):
+    script = render(tmp_path, "preempt", "--backend", "ddp", "--tasks-per-node", "2",
+                    "--checkpoint-dir", str(tmp_path / "ck"), "--", *TRAIN)
+    job = sbatch(script, tmp_path)
+    log_path = tmp_path / f"preempt-{job}.out"
+    deadline = time.time() + 120
+    while "epoch 0 loss" not in (log_path.read_text() if log_path.exists() else ""):
+        assert time.time() < deadline and job_state(job) in ("PENDING", "RUNNING"), "job never trained"
+        time.sleep(0.2)
+    # what Slurm does --signal=USR1@90 seconds before the time limit
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    assert wait_done(job, kick_requeued=True) == "COMPLETED"
+    log = log_path.read_text()
+    assert re.search(r"preempted at step \d+ by SIGUSR1; checkpoint saved; requeued Slurm job", log), log
+    assert "restart 1" in log and re.search(r"resumed from .*ckpt-\d+\.h5", log)
+    assert final_loss(log) == final_loss(reference_losses["ddp"])  # nothing lost, nothing repeated
+
+
+@pytest.mark.timeout(400)
+def test_job_array_runs_three_hyperparameter_sets(tmp_path):
+    params = tmp_path / "params.txt"
+    params.write_text("--lr 0.005\n--lr 0.02 --momentum 0.5\n--lr 0.05 --optimizer adam\n")
+    script = render(tmp_path, "sweep", "--backend", "ddp", "--tasks-per-node", "2", "--array", "0-2",
+                    "--array-params", str(params), "--results-dir", str(tmp_path / "results"),
+                    "--output", str(tmp_path / "sweep-%A_%a.out"),
+                    "--", "--model", "mlp", "--epochs", "1", "--num-samples", "512")
+    job = sbatch(script, tmp_path)
+    for task in range(3):
+        assert wait_done(f"{job}_{task}") == "COMPLETED", list(tmp_path.iterdir())
+    results = sorted((tmp_path / "results").glob("*.json"))
+    assert len(results) == 3
+    configs = [json.loads(p.read_text())["config"] for p in results]
+    assert sorted((c["lr"], c["optimizer"]) for c in configs) == [(0.005, "sgd"), (0.02, "sgd"), (0.05, "adam")]
+    losses = {json.loads(p.read_text())["final_loss"] for p in results}
+    assert len(losses) == 3
+
+
+@pytest.mark.timeout(300)
+def test_submit_flag_prints_job_id(tmp_path):
+    result = CliRunner().invoke(cli, ["slurm", "--backend", "ddp", "--venv", VENV, "--time", "5:00",
+                                      "--output", str(tmp_path / "s-%j.out"), "--submit",
+                                      "--", "--model", "tiny", "--epochs", "1", "--num-samples", "64"])
+    assert result.exit_code == 0, result.output
+    job = re.search(r"Submitted batch job (\d+)", result.output).group(1)
+    assert wait_done(job) == "COMPLETED"
+    assert "done: backend=ddp world=1" in (tmp_path / f"s-{job}.out").read_text()
