@@ -7,8 +7,10 @@ CUDA is available.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import gc
 import inspect
 from collections.abc import Iterator
 from typing import Any, TypeVar
@@ -83,6 +85,7 @@ class DDPBackend(Backend):
                     "ranks were started (set HVDKIT_DDP_TIMEOUT / --ddp-timeout to wait longer)",
                 ) from None
         self._owns_group = True
+        atexit.register(self.shutdown)  # a script that forgets shutdown() must not abort at exit
         self.limit_cpu_threads()
 
     @property
@@ -168,5 +171,15 @@ class DDPBackend(Backend):
 
     def shutdown(self) -> None:
         if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+            # DDP's reducer keeps the process group alive; if it is only freed at
+            # interpreter exit, gloo's worker thread releases tensors while Python
+            # finalises and the process aborts (seen as exit 134 after a clean
+            # run). Collect the wrapped model now, let in-flight work drain, and
+            # destroy the group while Python is fully alive.
+            gc.collect()
+            try:
+                self.barrier()
+            finally:
+                dist.destroy_process_group()
+                gc.collect()
         self._owns_group = False

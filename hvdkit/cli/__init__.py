@@ -6,6 +6,7 @@ import click
 
 from .. import __version__
 from .ckpt_cmd import ckpt_group, data_group
+from .doctor_cmd import doctor_command
 from .run_cmd import run_command
 from .slurm_cmd import slurm_command
 from .train_cmd import train_command
@@ -24,6 +25,7 @@ cli.add_command(run_command)
 cli.add_command(slurm_command)
 cli.add_command(ckpt_group)
 cli.add_command(data_group)
+cli.add_command(doctor_command)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,11 +5,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
 
-from ..launch.local import LocalLaunch, build_local_command, format_command, training_program
+from ..launch.local import (
+    LocalLaunch,
+    build_local_command,
+    format_command,
+    render_launch_script,
+    training_program,
+)
 from .common import config_option, translate_errors
 
 
@@ -26,10 +33,13 @@ from .common import config_option, translate_errors
 @click.option("--oversubscribe/--no-oversubscribe", default=None,
               help="Allow more ranks than cores (default: automatic).")
 @click.option("--dry-run", is_flag=True, help="Print the command instead of running it.")
+@click.option("--write-script", type=click.Path(dir_okay=False), default=None,
+              help="Write a standalone launch script (from slurm/mpirun.sh) instead of running.")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @translate_errors
 def run_command(np: int, backend: str, launcher: str, controller: str, hosts: str | None,
-                oversubscribe: bool | None, dry_run: bool, args: tuple[str, ...], **_: Any) -> None:
+                oversubscribe: bool | None, dry_run: bool, write_script: str | None,
+                args: tuple[str, ...], **_: Any) -> None:
     """Run training on NP local ranks.
 
     ARGS are 'hvdkit train' options (e.g. --model mlp --epochs 3), or after
@@ -41,6 +51,12 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
     argv, env = build_local_command(spec, training_program(backend, args))
     if dry_run:
         click.echo(format_command(argv, env))
+        return
+    if write_script:
+        path = Path(write_script)
+        path.write_text(render_launch_script(argv, env, np))
+        path.chmod(0o755)
+        click.echo(f"wrote {path}", err=True)
         return
     try:
         code = subprocess.call(argv, env={**os.environ, **env})

@@ -13,11 +13,12 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .. import __version__
 from ..errors import ConfigError
 
 __all__ = [
     "LAUNCHERS", "LocalLaunch", "build_local_command", "format_command", "root_mpi_env",
-    "training_program",
+    "training_program", "render_launch_script",
 ]
 
 LAUNCHERS = ("horovodrun", "mpirun")
@@ -100,3 +101,16 @@ def format_command(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     """A copy-pasteable shell line for ``argv`` with ``env`` assignments in front."""
     prefix = [f"{k}={shlex.quote(v)}" for k, v in sorted((env or {}).items())]
     return " ".join(prefix + [shlex.quote(a) for a in argv])
+
+
+def render_launch_script(argv: Sequence[str], env: Mapping[str, str], np: int) -> str:
+    """A standalone bash script (from ``slurm/mpirun.sh``) that runs ``argv`` with ``env``."""
+    from .templates import Raw, render_template
+
+    for key in env:
+        if not key.replace("_", "a").isalnum() or key[0].isdigit():
+            raise ConfigError(f"environment name {key!r} is invalid", "use NAME=value with NAME like FOO_BAR")
+    return render_template("mpirun.sh", {
+        "argv": list(argv), "exports": [(Raw(k), v) for k, v in sorted(env.items())],
+        "np": np, "version": __version__,
+    })

@@ -1,0 +1,159 @@
+"""``hvdkit doctor``: what is installed and usable, with the fix for each missing piece."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["Check", "run_checks", "verdict"]
+
+SETUP = "run ./scripts/setup.sh"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the report."""
+
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    required_for: tuple[str, ...] = ()
+
+
+def _cmd(argv: list[str], timeout: float = 30) -> tuple[int, str]:
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1",
+                                   "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return 127, str(exc)
+    return proc.returncode, (proc.stdout + proc.stderr).strip()
+
+
+def check_python() -> Check:
+    ok = sys.version_info[:2] >= (3, 11)
+    return Check("python", ok, f"{platform.python_version()} ({sys.executable})",
+                 "use Python 3.11 (scripts/setup.sh creates .venv with it)", ("horovod", "ddp"))
+
+
+def check_torch() -> Check:
+    try:
+        import torch
+    except ImportError as exc:
+        return Check("torch", False, f"not importable: {exc}", f"{SETUP} (pins torch==2.13.0)", ("horovod", "ddp"))
+    cuda = torch.cuda.is_available()
+    detail = f"{torch.__version__}; CUDA {'available, ' + str(torch.cuda.device_count()) + ' GPU(s)' if cuda else 'not available (CPU/gloo paths)'}"
+    dist = torch.distributed.is_available()
+    nccl = cuda and torch.distributed.is_nccl_available()
+    detail += f"; distributed {'yes' if dist else 'NO'}, gloo {'yes' if dist and torch.distributed.is_gloo_available() else 'no'}, nccl {'yes' if nccl else 'no'}"
+    return Check("torch", dist, detail, "install a torch build with distributed support", ("horovod", "ddp"))
+
+
+def check_horovod() -> Check:
+    try:
+        import horovod
+        import horovod.torch as hvd
+    except ImportError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else "import failed"
+        return Check("horovod", False, f"horovod.torch not importable: {first}",
+                     f"{SETUP} (builds horovod 0.28.1 with the C++17 patch)", ("horovod",))
+    flags = [f"{name} {'yes' if fn() else 'no'}" for name, fn in
+             (("mpi", hvd.mpi_built), ("gloo", hvd.gloo_built), ("nccl", hvd.nccl_built))]
+    ok = bool(hvd.mpi_built() or hvd.gloo_built())
+    return Check("horovod", ok, f"{horovod.__version__} with PyTorch; controllers/ops: {', '.join(flags)}",
+                 "rebuild with HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 (scripts/setup.sh)", ("horovod",))
+
+
+def check_horovodrun() -> Check:
+    exe = shutil.which("horovodrun")
+    if not exe:
+        return Check("horovodrun", False, "not on PATH", "activate .venv (source .venv/bin/activate)", ("horovod",))
+    code, out = _cmd([exe, "--check-build"], timeout=60)
+    sections: dict[str, list[str]] = {}
+    current = ""
+    for line in out.splitlines():
+        if line.strip().startswith("Available "):
+            current = line.strip().removeprefix("Available ").rstrip(":").lower()
+        elif "[X]" in line:
+            sections.setdefault(current, []).append(line.replace("[X]", "").strip())
+    summary = "; ".join(f"{k} {', '.join(v)}" for k, v in sections.items())
+    return Check("horovodrun", code == 0, f"--check-build: {summary or out[:80]}",
+                 "reinstall horovod with scripts/setup.sh", ("horovod",))
+
+
+def check_mpi() -> Check:
+    exe = shutil.which("mpirun")
+    if not exe:
+        return Check("mpirun", False, "not on PATH",
+                     "apt-get install openmpi-bin libopenmpi-dev (scripts/setup.sh does)", ("horovod-mpi", "ddp-mpi"))
+    code, out = _cmd([exe, "--version"])
+    first = out.splitlines()[0] if out else "?"
+    root = " (root: needs OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; hvdkit sets them)" \
+        if hasattr(os, "geteuid") and os.geteuid() == 0 else ""
+    return Check("mpirun", code == 0, f"{first}{root}", "reinstall Open MPI", ("horovod-mpi", "ddp-mpi"))
+
+
+def check_mpi4py() -> Check:
+    code, out = _cmd([sys.executable, "-c",
+                      "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"])
+    if code != 0:
+        return Check("mpi4py", False, f"not usable: {out.splitlines()[-1] if out else code}",
+                     "MPICC=$(which mpicc) pip install --no-binary mpi4py mpi4py", ("ddp-mpi",))
+    return Check("mpi4py", True, out.splitlines()[-1], "", ("ddp-mpi",))
+
+
+def check_slurm() -> Check:
+    missing = [c for c in ("sbatch", "srun", "scontrol", "sinfo") if not shutil.which(c)]
+    if missing:
+        return Check("slurm", False, f"missing: {', '.join(missing)}",
+                     "run on a Slurm login node, or apt-get install slurm-wlm (scripts/setup.sh) "
+                     "and scripts/local-slurm.sh up", ("slurm",))
+    code, out = _cmd(["sinfo", "-h", "-o", "%P %a %D %t"])
+    _, mpis = _cmd(["srun", "--mpi=list"])
+    pmix = "pmix" in mpis
+    detail = f"sinfo: {out.splitlines()[0] if code == 0 and out else 'no controller reachable'}; srun --mpi: {'pmix' if pmix else 'no pmix'}"
+    fix = "" if code == 0 else "start Slurm (scripts/local-slurm.sh up) or check slurm.conf"
+    if code == 0 and not pmix:
+        fix = "Horovod under srun needs --mpi=pmix (or use --launcher mpirun)"
+    return Check("slurm", code == 0, detail, fix, ("slurm",))
+
+
+def check_gpus() -> Check:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return Check("gpus", True, "no nvidia-smi: CPU-only machine (gloo)", "")
+    code, out = _cmd([exe, "-L"])
+    return Check("gpus", code == 0, out.replace("\n", "; ") or "none", "check the NVIDIA driver")
+
+
+def check_shellcheck() -> Check:
+    return Check("shellcheck", bool(shutil.which("shellcheck")),
+                 "present" if shutil.which("shellcheck") else "missing (only needed to lint scripts)",
+                 "apt-get install shellcheck")
+
+
+CHECKS: tuple[Callable[[], Check], ...] = (check_python, check_torch, check_horovod, check_horovodrun,
+                                           check_mpi, check_mpi4py, check_slurm, check_gpus, check_shellcheck)
+
+
+def run_checks() -> list[Check]:
+    """Every check, in order."""
+    return [check() for check in CHECKS]
+
+
+def verdict(checks: list[Check]) -> tuple[bool, str]:
+    """(core usable, one line saying which paths are ready)."""
+    failed = {t for c in checks if not c.ok for t in c.required_for}
+    paths = {"horovod": "Horovod (horovodrun)", "ddp": "DDP", "horovod-mpi": "Horovod over MPI",
+             "ddp-mpi": "DDP via mpirun+mpi4py", "slurm": "Slurm submission"}
+    ready = [label for key, label in paths.items() if key not in failed]
+    blocked = [label for key, label in paths.items() if key in failed]
+    core = "ddp" not in failed or "horovod" not in failed
+    line = f"ready: {', '.join(ready) or 'nothing'}" + (f"; not ready: {', '.join(blocked)}" if blocked else "")
+    return core, line

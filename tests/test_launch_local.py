@@ -1,0 +1,66 @@
+"""hvdkit run: launch lines as argument lists, dry runs, standalone scripts that really run."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import PY, base_env
+from hvdkit.cli import cli
+from hvdkit.launch.local import LocalLaunch, build_local_command, training_program
+
+
+def test_horovodrun_line():
+    argv, env = build_local_command(LocalLaunch(np=2), ["python", "t.py"], environ={})
+    assert argv == ["horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "python", "t.py"]
+
+
+def test_mpirun_line_forwards_only_set_variables_and_oversubscribes():
+    spec = LocalLaunch(np=64, launcher="mpirun", env={"NCCL_DEBUG": "INFO"})
+    argv, env = build_local_command(spec, ["python", "t.py"], environ={"PATH": "/bin"})
+    assert argv[:3] == ["mpirun", "-np", "64"] and "--oversubscribe" in argv
+    assert ["-x", "PATH"] == argv[argv.index("-x"):argv.index("-x") + 2]
+    assert "LD_LIBRARY_PATH" not in argv and env["NCCL_DEBUG"] == "INFO"
+
+
+def test_program_or_train_options():
+    assert training_program("ddp", ["python", "mine.py"]) == ["python", "mine.py"]
+    assert training_program("ddp", ["--epochs", "2"], "py") == ["py", "-m", "hvdkit", "train",
+                                                                 "--backend", "ddp", "--epochs", "2"]
+
+
+def test_dry_run():
+    result = CliRunner().invoke(cli, ["run", "-np", "3", "--backend", "ddp", "--dry-run", "--epochs", "2"])
+    assert result.exit_code == 0
+    assert "mpirun -np 3 -bind-to none -map-by slot" in result.output
+    assert "hvdkit train --backend ddp --epochs 2" in result.output
+    result = CliRunner().invoke(cli, ["run", "--controller", "mpi", "--dry-run", "--", "python", "x y.py"])
+    assert "horovodrun -np 2 -H localhost:2 --mpi python 'x y.py'" in result.output
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["horovod", "ddp"])
+def test_written_script_lints_and_runs(tmp_path, backend):
+    script = tmp_path / "launch.sh"
+    result = CliRunner().invoke(cli, ["run", "--backend", backend, "--write-script", str(script),
+                                      "--model", "tiny", "--epochs", "1", "--num-samples", "128"])
+    assert result.exit_code == 0, result.output
+    assert subprocess.run(["shellcheck", str(script)]).returncode == 0
+    proc = subprocess.run([str(script)], env=base_env(), capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"done: backend={backend} world=2" in proc.stdout
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(120)
+def test_run_executes_and_propagates_exit_code():
+    proc = subprocess.run([PY, "-m", "hvdkit", "run", "-np", "2", "--backend", "ddp", "--model", "tiny",
+                           "--epochs", "1", "--num-samples", "128"], env=base_env(), capture_output=True,
+                          text=True, timeout=100)
+    assert proc.returncode == 0 and "world=2" in proc.stdout, proc.stdout + proc.stderr
+    proc = subprocess.run([PY, "-m", "hvdkit", "run", "-np", "2", "--backend", "ddp", "--", PY, "-c",
+                           "import sys; sys.exit(3)"], env=base_env(), capture_output=True, text=True, timeout=100)
+    assert proc.returncode != 0
