@@ -96,39 +96,50 @@ def train(cfg: TrainConfig, backend: Backend | None = None,
             backend.shutdown()
 
 
+@dataclass
+class _Geometry:
+    """Batch sizes and steps, derived once from the config and the world size."""
+
+    batch: int          # micro-batch per rank
+    global_batch: int   # samples per optimizer step, all ranks and micro-batches
+    steps_per_epoch: int
+
+
+def _geometry(cfg: TrainConfig, size: int, num_samples: int) -> _Geometry:
+    accum = cfg.backend.accumulation_steps
+    if cfg.global_batch_size is not None:
+        batch = per_rank_batch_size(cfg.global_batch_size, size, accum, cfg.exact_batch)
+    else:
+        batch = cfg.batch_size
+    global_batch = batch * size * accum
+    steps = num_samples // global_batch
+    if steps == 0:
+        raise ConfigError(
+            f"{num_samples} samples are fewer than one global batch of {global_batch}",
+            "use more --num-samples or a smaller --batch-size",
+        )
+    return _Geometry(batch, global_batch, min(steps, cfg.steps_per_epoch or steps))
+
+
 def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None]) -> TrainResult:
     master = backend.is_master  # global rank 0: the only rank with side effects
     size, accum = backend.size, cfg.backend.accumulation_steps
     result = TrainResult(backend=backend.name, world_size=size)
     result.ranks = backend.gather_objects(f"{backend.rank}@{socket.gethostname()}:{os.getpid()}")
 
-    # -- batch geometry: per-rank micro-batch x ranks x accumulation = global batch
-    if cfg.global_batch_size is not None:
-        batch = per_rank_batch_size(cfg.global_batch_size, size, accum, cfg.exact_batch)
-    else:
-        batch = cfg.batch_size
-    global_batch = batch * size * accum
-    if master and cfg.global_batch_size not in (None, global_batch):
-        log(f"WARNING: global batch {cfg.global_batch_size} rounded down to {global_batch}")
-
     dataset = H5Dataset(cfg.data) if cfg.data else synthetic_dataset(cfg.model, cfg.num_samples)
-    steps_per_epoch = len(dataset) // global_batch
-    if steps_per_epoch == 0:
-        raise ConfigError(
-            f"{len(dataset)} samples are fewer than one global batch of {global_batch}",
-            "use more --num-samples or a smaller --batch-size",
-        )
-    if cfg.steps_per_epoch:
-        steps_per_epoch = min(steps_per_epoch, cfg.steps_per_epoch)
+    geo = _geometry(cfg, size, len(dataset))
+    if master and cfg.global_batch_size not in (None, geo.global_batch):
+        log(f"WARNING: global batch {cfg.global_batch_size} rounded down to {geo.global_batch}")
 
-    # -- model and optimizer. Ranks start from *different* weights on purpose:
-    # broadcast_state (or restore) must make them rank 0's, and tests check it.
+    # Ranks start from *different* weights on purpose: broadcast_state (or
+    # restore) must make them rank 0's, and the tests check that it does.
     torch.manual_seed(cfg.seed + backend.rank)
     model = build_model(cfg.model, seed=cfg.seed + backend.rank)
     lr_scale = float(size * accum) if cfg.scale_lr else 1.0  # bigger global batch, bigger LR
     optimizer = make_optimizer(cfg, model.parameters(), cfg.lr * lr_scale)
     model, optimizer = backend.wrap(model, optimizer)
-    warmup_steps = int(cfg.warmup_epochs * steps_per_epoch)
+    warmup_steps = int(cfg.warmup_epochs * geo.steps_per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_factor(step, warmup_steps, lr_scale)
     )
@@ -139,32 +150,34 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None]) -> Tr
         if not (ckpt and cfg.resume):  # restore() already broadcast rank 0's weights
             backend.broadcast_state(model, optimizer)
         state = TrainingState()
-    if master:
-        restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
-        log(f"{backend.describe()}; world {size}, batch {batch}/rank, global {global_batch}, "
-            f"lr {cfg.lr * lr_scale:g}, {steps_per_epoch} steps/epoch, start step "
-            f"{state.global_step}, slurm restarts {restarts}")
     result.epoch_losses = list(state.extra.get("epoch_losses", []))
+    if master:
+        log(f"{backend.describe()}; world {size}, batch {geo.batch}/rank, global {geo.global_batch}, "
+            f"lr {cfg.lr * lr_scale:g}, {geo.steps_per_epoch} steps/epoch, start step "
+            f"{state.global_step}, slurm restarts {os.environ.get('SLURM_RESTART_COUNT', '0')}")
 
-    if cfg.max_steps is not None and state.global_step >= cfg.max_steps:
-        if master:
-            log(f"already at max_steps={cfg.max_steps}: nothing to do")
-        result.global_step = state.global_step
-        return result
+    def save() -> None:
+        assert ckpt is not None
+        state.extra = {"loss_sums": backend.gather_objects(float(loss_sum)),
+                       "epoch_losses": result.epoch_losses}
+        ckpt.save(model, optimizer, scheduler, state)
 
     loss_fn = nn.CrossEntropyLoss()
     sampler = ShardSampler(len(dataset), size, backend.rank, seed=cfg.seed)
     device = backend.device
+    done = cfg.max_steps is not None and state.global_step >= cfg.max_steps
     with PreemptionGuard() as guard:
-        for epoch in range(state.epoch, cfg.epochs):
+        for epoch in range(state.epoch, cfg.epochs if not done else state.epoch):
             sampler.set_epoch(epoch, start=state.samples_in_epoch)
-            batches = iter(DataLoader(dataset, batch_size=batch, sampler=sampler, drop_last=True))
-            first_step = state.samples_in_epoch // global_batch
-            loss_sum = _resumed_loss_sum(state, backend)
+            batches = iter(DataLoader(dataset, batch_size=geo.batch, sampler=sampler, drop_last=True))
+            first_step = state.samples_in_epoch // geo.global_batch
+            # a tensor, so that the loss is never pulled to the host inside the step
+            loss_sum = torch.tensor(_resumed_loss_sum(state, backend), dtype=torch.float64, device=device)
             model.train()
             t0 = time.perf_counter()
-            for _ in range(first_step, steps_per_epoch):
-                step_loss = 0.0
+            for _ in range(first_step, geo.steps_per_epoch):
+                # Agree on preemption while this step computes; read it after.
+                stop_requested = backend.start_any_true(guard.requested)
                 for micro in range(accum):
                     x, y = next(batches)
                     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -174,70 +187,78 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None]) -> Tr
                     with backend.accumulate(model, sync=micro == accum - 1):
                         loss = loss_fn(model(x), y) / accum
                         loss.backward()
-                    step_loss += loss.item()
+                    loss_sum += loss.detach()
                 optimizer.step()
                 optimizer.zero_grad()
                 scheduler.step()
                 state.global_step += 1
-                state.samples_in_epoch += global_batch
-                state.samples_seen += global_batch
-                loss_sum += step_loss
+                state.samples_in_epoch += geo.global_batch
+                state.samples_seen += geo.global_batch
                 if master and cfg.log_every and state.global_step % cfg.log_every == 0:
-                    log(f"step {state.global_step} loss {step_loss:.6f} lr {scheduler.get_last_lr()[0]:.5g}")
+                    log(f"step {state.global_step} loss {loss.item() * accum:.6f} "
+                        f"lr {scheduler.get_last_lr()[0]:.5g}")
 
-                # All ranks must stop at the same step, whichever got the signal.
-                stop = backend.any_true(guard.requested)
+                stop = stop_requested()  # the same answer on every rank
                 limit = cfg.max_steps is not None and state.global_step >= cfg.max_steps
                 periodic = cfg.checkpoint_every and state.global_step % cfg.checkpoint_every == 0
                 if ckpt and (stop or limit or periodic):
-                    state.extra = {"loss_sums": backend.gather_objects(loss_sum),
-                                   "epoch_losses": result.epoch_losses}
-                    ckpt.save(model, optimizer, scheduler, state)
+                    save()
                 if stop:
-                    result.preempted = True
-                    requeue = backend.any_true(guard.should_requeue) and cfg.requeue
-                    if master:
-                        result.requeue = requeue_slurm_job() if requeue else "not requeued"
-                        log(f"preempted at step {state.global_step} by {signal.Signals(guard.received).name}; "
-                            f"{'checkpoint saved' if ckpt else 'no checkpoint dir'}; {result.requeue}")
-                    result.global_step = state.global_step
+                    _report_preemption(cfg, backend, guard, state, result, bool(ckpt), log)
                     return result
                 if limit:
                     if master:
-                        log(f"stopped at max_steps={cfg.max_steps}"
-                            f"{'; checkpoint saved' if ckpt else ''}")
+                        log(f"stopped at max_steps={cfg.max_steps}{'; checkpoint saved' if ckpt else ''}")
                     result.global_step = state.global_step
                     return result
 
-            elapsed = time.perf_counter() - t0
-            steps_here = steps_per_epoch - first_step
-            epoch_loss = backend.allreduce_metric(loss_sum / steps_per_epoch)
             # Throughput of the slowest rank is the job's throughput.
-            slowest = backend.allreduce_metric(elapsed, op="max")
-            sps = steps_here * global_batch / slowest if slowest > 0 else float("nan")
+            slowest = backend.allreduce_metric(time.perf_counter() - t0, op="max")
+            steps_here = geo.steps_per_epoch - first_step
+            sps = steps_here * geo.global_batch / slowest if slowest > 0 else float("nan")
+            epoch_loss = backend.allreduce_metric(loss_sum / geo.steps_per_epoch)
             result.epoch_losses.append(epoch_loss)
             result.samples_per_sec.append(sps)
             if master:
                 log(f"epoch {epoch} loss {epoch_loss:.6f} samples/s {sps:.1f} ({size} ranks)")
             state.epoch, state.samples_in_epoch = epoch + 1, 0
-            state.extra = {"epoch_losses": result.epoch_losses}
+            loss_sum.zero_()
             if ckpt:
-                ckpt.save(model, optimizer, scheduler, state)
+                save()
 
     result.global_step = state.global_step
+    _report_done(cfg, backend, model, result, log)
+    return result
+
+
+def _report_preemption(cfg: TrainConfig, backend: Backend, guard: PreemptionGuard,
+                       state: TrainingState, result: TrainResult, saved: bool,
+                       log: Callable[[str], None]) -> None:
+    """After a checkpoint on signal: requeue under Slurm (USR1 only) and say what happened."""
+    result.preempted, result.global_step = True, state.global_step
+    requeue = backend.any_true(guard.should_requeue) and cfg.requeue
+    received = backend.allreduce_metric(guard.received or 0, op="max")
+    if backend.is_master:
+        result.requeue = requeue_slurm_job() if requeue else "not requeued"
+        log(f"preempted at step {state.global_step} by {signal.Signals(int(received)).name}; "
+            f"{'checkpoint saved' if saved else 'no checkpoint dir'}; {result.requeue}")
+
+
+def _report_done(cfg: TrainConfig, backend: Backend, model: nn.Module, result: TrainResult,
+                 log: Callable[[str], None]) -> None:
+    """Check that every rank holds the same weights, print the summary, write metrics."""
     digests = backend.gather_objects(param_digest(backend.unwrap(model)))
     result.param_digest = digests[0]
-    if master:
+    if backend.is_master:
         same = all(d == digests[0] for d in digests)
-        log(f"done: backend={backend.name} world={size} final_loss={result.final_loss!r} "
-            f"steps={state.global_step} params_identical_on_all_ranks={same} "
+        log(f"done: backend={backend.name} world={backend.size} final_loss={result.final_loss!r} "
+            f"steps={result.global_step} params_identical_on_all_ranks={same} "
             f"digest={digests[0]} ranks={' '.join(result.ranks)}")
         if cfg.metrics_file:
             _write_json(Path(cfg.metrics_file), {**dataclasses.asdict(result),
                                                  "final_loss": result.final_loss,
                                                  "params_identical": same,
                                                  "config": dataclasses.asdict(cfg)})
-    return result
 
 
 def _resumed_loss_sum(state: TrainingState, backend: Backend) -> float:

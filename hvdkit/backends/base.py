@@ -6,7 +6,7 @@ import contextlib
 import os
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -116,6 +116,16 @@ class Backend(ABC):
     def any_true(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank (agree on stopping)."""
         return self.allreduce_metric(1.0 if flag else 0.0, op="max") > 0.5
+
+    def start_any_true(self, flag: bool) -> Callable[[], bool]:
+        """Like :meth:`any_true` but asynchronous: start now, call the result later.
+
+        The training loop starts it before the forward pass and reads it after
+        ``optimizer.step()``, so agreeing on preemption overlaps with compute
+        instead of costing a blocking round trip every step.
+        """
+        answer = self.any_true(flag)
+        return lambda: answer
 
     @abstractmethod
     def barrier(self) -> None:

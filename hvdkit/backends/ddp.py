@@ -12,7 +12,7 @@ import contextlib
 import datetime
 import gc
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -162,6 +162,16 @@ class DDPBackend(Backend):
         if op == "mean":
             out /= self._size
         return out.to(tensor.device)
+
+    def start_any_true(self, flag: bool) -> Callable[[], bool]:
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
+
+        def wait() -> bool:
+            work.wait()
+            return bool(t.item() > 0.5)
+
+        return wait
 
     def barrier(self) -> None:
         if self.pg_backend == "nccl":

@@ -7,6 +7,7 @@ wrap the optimizer with ``named_parameters``, broadcast state from rank 0.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -18,6 +19,8 @@ from ..errors import BackendUnavailableError, HvdkitError, LauncherEnvError
 from .base import Backend
 
 T = TypeVar("T")
+
+_INITS = 0  # hvd.init() calls in this process
 
 SETUP_HINT = "run ./scripts/setup.sh, which builds Horovod 0.28.1 with PyTorch support (C++17 patch)"
 
@@ -43,9 +46,19 @@ class HorovodBackend(Backend):
         super().__init__(config)
         self.hvd = hvd = import_horovod_torch()
         self._calls = 0
+        global _INITS
+        env = config.horovod.environment()
+        if _INITS and "HOROVOD_CYCLE_TIME" in {**os.environ, **env}:
+            # Measured: Horovod 0.28.1 segfaults in ParameterManager::SetValue when
+            # init() runs a second time in a process with HOROVOD_CYCLE_TIME set.
+            raise HvdkitError(
+                "Horovod 0.28.1 crashes when re-initialised with HOROVOD_CYCLE_TIME set",
+                "set the cycle time only for the first init in a process (or start a new process)",
+            )
         # Fusion threshold, cycle time, timeline and stall checks are read once, by init().
-        os.environ.update(config.horovod.environment())
+        os.environ.update(env)
         hvd.init()
+        _INITS += 1
         self._check_world()
         if torch.cuda.is_available():
             torch.cuda.set_device(hvd.local_rank())
@@ -137,6 +150,11 @@ class HorovodBackend(Backend):
         if op not in ops:
             raise ValueError(f"unknown reduce op {op!r}")
         return hvd.allreduce(tensor.detach(), op=ops[op], name=self._name("allreduce"))  # type: ignore[no-any-return]
+
+    def start_any_true(self, flag: bool) -> Callable[[], bool]:
+        t = torch.tensor([1.0 if flag else 0.0])
+        handle = self.hvd.allreduce_async(t, op=self.hvd.Max, name=self._name("flag"))
+        return lambda: bool(self.hvd.synchronize(handle).item() > 0.5)
 
     def barrier(self) -> None:
         self.hvd.barrier()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from .. import __version__
+from .bench_cmd import bench_command
 from .ckpt_cmd import ckpt_group, data_group
 from .doctor_cmd import doctor_command
 from .run_cmd import run_command
@@ -26,6 +27,7 @@ cli.add_command(slurm_command)
 cli.add_command(ckpt_group)
 cli.add_command(data_group)
 cli.add_command(doctor_command)
+cli.add_command(bench_command)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,1 @@
+"""Benchmarks: Horovod vs DDP, tensor fusion, scaling, allreduce bandwidth, checkpoint I/O."""

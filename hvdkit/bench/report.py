@@ -1,0 +1,172 @@
+"""Tables (markdown) and plots (PNG) from a benchmark :class:`~hvdkit.bench.suite.Report`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+MB = 1 << 20
+
+
+def _size(n: int) -> str:
+    return f"{n // MB} MB" if n >= MB else f"{n // 1024} KB"
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_tables(rep: Any) -> str:
+    """Markdown tables for every experiment present in ``rep.summary``."""
+    env, s = rep.env, rep.summary
+    out = [f"Machine: {env['cpu']}, {env['cores']} cores, torch {env['torch']}, horovod {env['horovod']}, "
+           f"GPUs: {', '.join(env['gpus']) or 'none'}; {env['date']}"]
+    if "ab" in s:
+        out += ["", "### Horovod vs DDP, equal settings (fusion = bucket = 25 MB), A/B alternating",
+                _table(["model", "Horovod samples/s (median ± 95%)", "DDP samples/s", "Horovod / DDP",
+                        "comm share Horovod", "comm share DDP"],
+                       [[r["model"], f"{r['horovod_samples_s']['median']:.0f} ± {r['horovod_samples_s']['ci95']:.0f}",
+                         f"{r['ddp_samples_s']['median']:.0f} ± {r['ddp_samples_s']['ci95']:.0f}",
+                         f"{r['horovod_over_ddp']:.2f}", f"{r['horovod_comm_share']:.0%}",
+                         f"{r['ddp_comm_share']:.0%}"] for r in s["ab"]])]
+    if "fusion" in s:
+        f = s["fusion"]
+        out += ["", f"### Tensor fusion sweep (mlp, {len(f['rows'])} settings; compute-only step "
+                f"{f['compute_step_s'] * 1e3:.1f} ms)",
+                _table(["setting", "step ms", "communication ms"],
+                       [[r["setting"], f"{r['step_s'] * 1e3:.2f}", f"{r['comm_s'] * 1e3:.2f}"] for r in f["rows"]])]
+        if "unfused_over_fused_comm" in f:
+            out.append(f"\nUnfused / fused (128 MB) communication time: {f['unfused_over_fused_comm']:.2f}x")
+    if "scaling" in s:
+        sc = s["scaling"]
+        out += ["", f"### Scaling ({sc['cores']} cores; * = more ranks than cores, oversubscribed)",
+                _table(["model", "np", "backend", "samples/s", "efficiency", "comm share"],
+                       [[r["model"], f"{r['np']}{'*' if r['oversubscribed'] else ''}", r["backend"],
+                         f"{r['samples_s']:.0f}", "-" if r["efficiency"] is None else f"{r['efficiency']:.0%}",
+                         f"{r['comm_share']:.0%}"] for r in sc["rows"]])]
+    if "allreduce" in s:
+        a = s["allreduce"]
+        out += ["", f"### Allreduce bandwidth (world {a['world_size']}; GB/s; busbw = algbw x 2(n-1)/n)",
+                _table(["size", "Horovod algbw", "Horovod busbw", "torch gloo algbw", "torch gloo busbw",
+                        "memcpy"],
+                       [[_size(r["bytes"]), f"{r['horovod_algbw'] / 1e9:.3f}", f"{r['horovod_busbw'] / 1e9:.3f}",
+                         f"{r['torch_algbw'] / 1e9:.3f}", f"{r['torch_busbw'] / 1e9:.3f}",
+                         f"{r['memcpy_algbw'] / 1e9:.2f}"] for r in a["rows"]])]
+    if "ckpt" in s:
+        c = s["ckpt"]
+        out += ["", f"### Checkpoint I/O ({c['params'] / 1e6:.0f}M params, {c['state_mb']:.0f} MB, fsync'd)",
+                _table(["", "HDF5 (hvdkit)", "torch.save/load", "ratio"],
+                       [["save s", f"{c['hdf5_save_s']:.3f}", f"{c['torch_save_s']:.3f}",
+                         f"{c['save_ratio_hdf5_over_torch']:.2f}x"],
+                        ["load s (incl. CRC check)", f"{c['hdf5_load_s']:.3f}", f"{c['torch_load_s']:.3f}",
+                         f"{c['load_ratio_hdf5_over_torch']:.2f}x"]])]
+    if "overhead" in s:
+        o = s["overhead"]
+        out += ["", "### hvdkit loop vs plain horovod.torch (mlp, alternating runs)",
+                _table(["", "samples/s median", "± 95%"],
+                       [["raw Horovod", f"{o['raw_samples_s']['median']:.0f}", f"{o['raw_samples_s']['ci95']:.0f}"],
+                        ["hvdkit train", f"{o['hvdkit_samples_s']['median']:.0f}",
+                         f"{o['hvdkit_samples_s']['ci95']:.0f}"]]),
+                f"\nhvdkit overhead: {o['overhead']:+.1%} of throughput"]
+    if "model" in s:
+        m = s["model"]
+        out += ["", f"### Prediction (alpha-beta ring model fitted to torch gloo: alpha = {m['alpha_s'] * 1e6:.1f} us, "
+                f"B = {m['bandwidth_Bps'] / 1e9:.2f} GB/s; a single Horovod allreduce fits alpha = "
+                f"{m['horovod_alpha_s'] * 1e6:.0f} us, its cycle wait included). A prediction, not a measurement."]
+        for model, info in m["models"].items():
+            for scenario, rows in info["scenarios"].items():
+                out += ["", f"{model} ({info['tensors']} tensors, {info['grad_bytes'] / MB:.1f} MB of gradients, "
+                        f"compute {info['compute_step_s'] * 1e3:.1f} ms/step), {scenario}:",
+                        _table(["workers", "step ms fused", "efficiency fused", "efficiency unfused",
+                                "overlap bound"],
+                               [[r["workers"], f"{r['step_fused_s'] * 1e3:.1f}", f"{r['efficiency_fused']:.0%}",
+                                 f"{r['efficiency_unfused']:.0%}", f"{r['efficiency_overlap_bound']:.0%}"]
+                                for r in rows])]
+    if rep.targets:
+        out += ["", "### Targets (figures to report against, not tests)",
+                _table(["target", "measured", "met"],
+                       [[t["target"], t["value"], "yes" if t["met"] else "NO"] for t in rep.targets])]
+    return "\n".join(out) + "\n"
+
+
+def render_plots(rep: Any, out: Path) -> list[Path]:
+    """One PNG per experiment present; returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s, written = rep.summary, []
+
+    def save(fig: Any, name: str) -> None:
+        path = out / f"{name}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    if "ab" in s:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        models = [r["model"] for r in s["ab"]]
+        xs = range(len(models))
+        for off, key, label in ((-0.2, "horovod_samples_s", "Horovod"), (0.2, "ddp_samples_s", "DDP")):
+            ax.bar([x + off for x in xs], [r[key]["median"] for r in s["ab"]], 0.4,
+                   yerr=[r[key]["ci95"] for r in s["ab"]], label=label, capsize=4)
+        ax.set_xticks(list(xs), models)
+        ax.set_ylabel("samples/s (median, 95% CI)")
+        ax.set_title("Horovod vs DDP, equal settings, A/B alternating")
+        ax.legend()
+        save(fig, "ab")
+    if "fusion" in s:
+        rows = [r for r in s["fusion"]["rows"] if r["kind"] == "horovod" and not r.get("cycle_ms")]
+        ddp = [r for r in s["fusion"]["rows"] if r["kind"] == "ddp"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([max(r["fusion_mb"], 0.25) for r in rows], [r["comm_s"] * 1e3 for r in rows], "o-",
+                label="Horovod: fusion threshold")
+        ax.plot([r["bucket_mb"] for r in ddp], [r["comm_s"] * 1e3 for r in ddp], "s--", label="DDP: bucket_cap_mb")
+        ax.set_xscale("log")
+        ax.set_xlabel("MB (0 = fusion off, drawn at 0.25)")
+        ax.set_ylabel("communication ms per step (step - compute)")
+        ax.set_title("mlp (many small tensors)")
+        ax.legend()
+        save(fig, "fusion")
+    if "scaling" in s:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.8))
+        for model in sorted({r["model"] for r in s["scaling"]["rows"]}):
+            for backend in ("horovod", "ddp"):
+                rows = [r for r in s["scaling"]["rows"] if r["model"] == model and r["backend"] == backend]
+                a1.plot([r["np"] for r in rows], [r["samples_s"] for r in rows], "o-", label=f"{model} {backend}")
+                a2.plot([r["np"] for r in rows], [r["efficiency"] or 0 for r in rows], "o-", label=f"{model} {backend}")
+        a1.set_xlabel("ranks (np > cores is oversubscribed)")
+        a1.set_ylabel("samples/s")
+        a2.set_xlabel("ranks")
+        a2.set_ylabel("efficiency = thr(N) / (N thr(1))")
+        a1.legend(fontsize=7)
+        save(fig, "scaling")
+    if "allreduce" in s:
+        rows = s["allreduce"]["rows"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["bytes"] for r in rows], [r["horovod_busbw"] / 1e9 for r in rows], "o-", label="Horovod busbw")
+        ax.plot([r["bytes"] for r in rows], [r["torch_busbw"] / 1e9 for r in rows], "s-", label="torch gloo busbw")
+        ax.plot([r["bytes"] for r in rows], [r["memcpy_algbw"] / 1e9 for r in rows], "k:", label="memcpy (ceiling)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message bytes")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"allreduce, world {s['allreduce']['world_size']}")
+        ax.legend()
+        save(fig, "allreduce")
+    if "model" in s:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for model, info in s["model"]["models"].items():
+            for i, (scenario, rows) in enumerate(info["scenarios"].items()):
+                ax.plot([r["workers"] for r in rows], [r["efficiency_fused"] for r in rows],
+                        "o-" if i == 0 else "s--", label=f"{model}: {scenario.split(':')[0]}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("workers")
+        ax.set_ylabel("predicted scaling efficiency (fused)")
+        ax.set_title("Prediction, not measurement")
+        ax.legend(fontsize=7)
+        save(fig, "model")
+    return written

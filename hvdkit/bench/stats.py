@@ -1,0 +1,86 @@
+"""Summary statistics, machine description and result files shared by all benchmarks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["summarize", "environment", "write_json", "Timer"]
+
+
+def summarize(samples: list[float]) -> dict[str, float]:
+    """median, p10/p90, mean and the 1.96-sigma half-width (Horovod's benchmark style)."""
+    if not samples:
+        raise ValueError("no samples")
+    ordered = sorted(samples)
+
+    def q(p: float) -> float:
+        k = (len(ordered) - 1) * p
+        lo, hi = math.floor(k), math.ceil(k)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+    mean = statistics.fmean(ordered)
+    std = statistics.stdev(ordered) if len(ordered) > 1 else 0.0
+    return {"median": q(0.5), "p10": q(0.1), "p90": q(0.9), "p95": q(0.95), "mean": mean,
+            "ci95": 1.96 * std, "min": ordered[0], "max": ordered[-1], "n": len(ordered)}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment(world_size: int | None = None) -> dict[str, Any]:
+    """Versions and hardware, stored with every result."""
+    import torch
+
+    env: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "cpu": _cpu_model(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cuda": torch.cuda.is_available(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "world_size": world_size,
+    }
+    try:
+        import horovod
+
+        env["horovod"] = horovod.__version__
+    except ImportError:
+        env["horovod"] = None
+    return env
+
+
+def write_json(path: Path, data: Any) -> Path:
+    """Write ``data`` as pretty JSON atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+class Timer:
+    """Wall-clock timer that synchronises CUDA first, so GPU work is really finished."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._cuda = torch.cuda.is_available()
+        self._torch = torch
+
+    def now(self) -> float:
+        if self._cuda:
+            self._torch.cuda.synchronize()
+        return time.perf_counter()

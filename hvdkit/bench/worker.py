@@ -1,0 +1,158 @@
+"""Measurements that run inside one multi-process job: ``python -m hvdkit.bench.worker SPEC OUT``.
+
+The suite launches this under ``mpirun``. MPI is initialised first through
+mpi4py, so Horovod can be shut down and initialised again with other
+settings (fusion threshold, cycle time) in the same processes, and its
+background thread is not running while DDP is being measured. DDP's process
+group stays up (its threads sleep when idle). Rank 0 writes OUT (JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..backends import Backend, LocalBackend
+from ..config import BackendConfig, DDPOptions, HorovodOptions
+from ..models import MODELS, build_model
+from .stats import Timer, environment, write_json
+
+_DDP: Backend | None = None
+
+
+def _ddp(opts: DDPOptions) -> Backend:
+    """One DDP process group for the whole job; wrap options vary per measurement."""
+    global _DDP
+    from ..backends.ddp import DDPBackend
+
+    if _DDP is None:
+        _DDP = DDPBackend(BackendConfig(name="ddp", ddp=opts))
+    _DDP.config = BackendConfig(name="ddp", ddp=opts)
+    return _DDP
+
+
+def _horovod(fusion_mb: float, cycle_ms: float | None) -> Backend:
+    """A fresh Horovod init. ``cycle_ms`` must stay None (Horovod's 1 ms) except in a job's
+    first init: Horovod 0.28.1 crashes when re-initialised with HOROVOD_CYCLE_TIME set."""
+    from ..backends.horovod import HorovodBackend
+
+    return HorovodBackend(BackendConfig(name="horovod", horovod=HorovodOptions(
+        fusion_threshold_mb=fusion_mb, cycle_time_ms=cycle_ms)))
+
+
+def step_times(backend: Backend, model_name: str, batch: int, warmup: int, steps: int,
+               comm: Any) -> list[float]:
+    """Seconds per optimizer step (the slowest rank's, step by step), after ``warmup`` steps."""
+    timer = Timer()
+    model = build_model(model_name, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    model, opt = backend.wrap(model, opt)
+    backend.broadcast_state(model, opt)
+    gen = torch.Generator().manual_seed(comm.Get_rank())
+    x = torch.randn((batch, *MODELS[model_name].input_shape), generator=gen).to(backend.device)
+    y = torch.randint(0, MODELS[model_name].classes, (batch,), generator=gen).to(backend.device)
+    times = []
+    for i in range(warmup + steps):
+        t0 = timer.now()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        t1 = timer.now()
+        if i >= warmup:
+            times.append(t1 - t0)
+    every = comm.allgather(times)
+    return [max(col) for col in zip(*every)]
+
+
+def _measure(variant: dict[str, Any], model: str, batch: int, warmup: int, steps: int, comm: Any) -> list[float]:
+    kind = variant["kind"]
+    if kind == "compute":  # same work, no communication: the floor for comm share
+        return step_times(LocalBackend(BackendConfig()), model, batch, warmup, steps, comm)
+    if kind == "horovod":
+        backend = _horovod(variant.get("fusion_mb", 128.0), variant.get("cycle_ms"))
+        try:
+            return step_times(backend, model, batch, warmup, steps, comm)
+        finally:
+            backend.shutdown()
+    opts = DDPOptions(bucket_cap_mb=variant.get("bucket_mb", 25.0), broadcast_buffers=False)
+    return step_times(_ddp(opts), model, batch, warmup, steps, comm)
+
+
+def run_steps(spec: dict[str, Any], comm: Any) -> dict[str, Any]:
+    """Alternate variants A/B/A/B... ``rounds`` times per model; every block's raw step times."""
+    out: dict[str, Any] = {"blocks": []}
+    for model in spec["models"]:
+        for rnd in range(spec["rounds"]):
+            for variant in spec["variants"]:
+                times = _measure(variant, model, spec["batch"], spec["warmup"], spec["steps"], comm)
+                out["blocks"].append({"model": model, "round": rnd, **variant, "step_s": times})
+    return out
+
+
+def run_allreduce(spec: dict[str, Any], comm: Any) -> dict[str, Any]:
+    """Seconds per allreduce of each size, Horovod and torch.distributed, plus local memcpy."""
+    import torch.distributed as dist
+
+    timer = Timer()
+    ddp = _ddp(DDPOptions())
+    device = ddp.device
+    results: dict[str, Any] = {"sizes": spec["sizes"], "horovod": {}, "torch": {}, "memcpy": {}}
+    hvd_backend = _horovod(spec.get("fusion_mb", 128.0), None)
+    hvd = hvd_backend.hvd  # type: ignore[attr-defined]
+    for size in spec["sizes"]:
+        n = max(1, size // 4)
+        reps = spec["reps_small"] if size < (4 << 20) else spec["reps_large"]
+        t = torch.ones(n, dtype=torch.float32, device=device)
+        dst = torch.zeros_like(t)  # allocated and touched once: no page faults in the timing
+        samples: dict[str, list[float]] = {"horovod": [], "torch": [], "memcpy": []}
+        # Like nccl-tests: each sample times `iters` back-to-back operations, so
+        # timer resolution and barrier skew do not dominate small messages.
+        iters = spec.get("iters_small", 20) if size < (1 << 20) else 1
+        for rep in range(reps + 1):  # first repetition is warm-up
+            comm.Barrier()
+            t0 = timer.now()
+            for _ in range(iters):
+                hvd.allreduce_(t, op=hvd.Sum, name=f"bw.{size}")
+            t1 = timer.now()
+            comm.Barrier()
+            t2 = timer.now()
+            for _ in range(iters):
+                dist.all_reduce(t)
+            t3 = timer.now()
+            t4 = timer.now()
+            for _ in range(iters):
+                dst.copy_(t)
+            t5 = timer.now()
+            if rep:
+                samples["horovod"].append((t1 - t0) / iters)
+                samples["torch"].append((t3 - t2) / iters)
+                samples["memcpy"].append((t5 - t4) / iters)
+        for key, vals in samples.items():
+            every = comm.allgather(vals)
+            results[key][str(size)] = [max(col) for col in zip(*every)]
+    hvd_backend.shutdown()
+    return results
+
+
+EXPERIMENTS = {"steps": run_steps, "allreduce": run_allreduce}
+
+
+def main(argv: list[str]) -> None:
+    from mpi4py import MPI  # first: Horovod then neither initialises nor finalises MPI
+
+    spec = json.loads(Path(argv[0]).read_text())
+    comm = MPI.COMM_WORLD
+    result = EXPERIMENTS[spec["experiment"]](spec, comm)
+    if comm.Get_rank() == 0:
+        write_json(Path(argv[1]), {"spec": spec, "env": environment(comm.Get_size()), "result": result})
+    if _DDP is not None:
+        _DDP.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,58 @@
+"""``hvdkit bench``: run the benchmark suite and write JSON, PNG plots and markdown tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .common import translate_errors
+
+
+def _ints(text: str | None) -> tuple[int, ...] | None:
+    return tuple(int(float(x)) for x in text.split(",")) if text else None
+
+
+def _floats(text: str | None) -> tuple[float, ...] | None:
+    return tuple(float(x) for x in text.split(",")) if text else None
+
+
+@click.command("bench")
+@click.option("--quick", is_flag=True, help="Small sizes: about 3 minutes on 2 cores.")
+@click.option("--out", type=click.Path(file_okay=False), default="bench-results", show_default=True)
+@click.option("--only", default=None, help="Comma list of: ab,fusion,scaling,allreduce,ckpt,overhead,model.")
+@click.option("--models", default=None, help="Comma list of example models (default cnn,mlp).")
+@click.option("--np", "np", type=click.IntRange(min=2), default=2, show_default=True)
+@click.option("--steps", type=click.IntRange(min=2), default=None, help="Timed steps per block.")
+@click.option("--rounds", type=click.IntRange(min=1), default=None, help="A/B rounds.")
+@click.option("--sizes", default=None, help="Allreduce sizes in bytes, comma list.")
+@click.option("--world-sizes", default=None, help="Scaling world sizes, comma list (default 1,2,4).")
+@click.option("--fusion-mb", default=None, help="Fusion thresholds to sweep (MB).")
+@click.option("--bucket-mb", default=None, help="DDP bucket sizes to sweep (MB).")
+@click.option("--cycle-ms", default=None, help="Horovod cycle times to sweep (ms).")
+@click.option("--ckpt-params-m", type=click.FloatRange(min=0.01), default=None, help="Checkpoint size, M params.")
+@click.option("--overhead-epochs", type=click.IntRange(min=2), default=None)
+@translate_errors
+def bench_command(quick: bool, out: str, only: str | None, models: str | None, **o: Any) -> None:
+    """Horovod vs DDP, fusion sweep, scaling, allreduce bandwidth, checkpoint I/O, cost model."""
+    from ..bench.suite import EXPERIMENTS, BenchConfig, run_suite
+
+    overrides: dict[str, Any] = {"out": Path(out), "np": o["np"]}
+    if only:
+        overrides["only"] = tuple(x.strip() for x in only.split(","))
+        bad = set(overrides["only"]) - set(EXPERIMENTS)
+        if bad:
+            raise click.BadParameter(f"unknown: {', '.join(sorted(bad))}", param_hint="--only")
+    if models:
+        overrides["models"] = tuple(x.strip() for x in models.split(","))
+    for key, conv in (("sizes", _ints), ("world_sizes", _ints), ("fusion_mb", _floats),
+                      ("bucket_mb", _floats), ("cycle_ms", _floats)):
+        value = conv(o[key])
+        if value is not None:
+            overrides[key] = value
+    for key in ("steps", "rounds", "ckpt_params_m", "overhead_epochs"):
+        if o[key] is not None:
+            overrides[key] = o[key]
+    cfg = BenchConfig.quick(**overrides) if quick else BenchConfig(**overrides)
+    run_suite(cfg, log=click.echo)

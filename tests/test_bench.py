@@ -1,0 +1,75 @@
+"""hvdkit bench with tiny sizes: every experiment runs and writes well-formed, positive figures."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+
+import pytest
+
+from conftest import HVDKIT, base_env
+from hvdkit.bench.costmodel import allreduce_time, fit_alpha_beta, predict_scaling
+from hvdkit.bench.stats import summarize
+
+
+def numbers(obj):
+    if isinstance(obj, bool) or obj is None:
+        return
+    if isinstance(obj, (int, float)):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from numbers(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from numbers(v)
+
+
+def test_summarize_and_cost_model():
+    s = summarize([1.0, 2.0, 3.0, 4.0])
+    assert s["median"] == 2.5 and s["min"] == 1 and s["max"] == 4 and s["n"] == 4
+    # a ring of 2 with alpha=1 ms, B=1 GB/s: t = 2 ms + S/1e9 exactly
+    sizes = [1 << 10, 1 << 20, 1 << 26]
+    alpha, bw = fit_alpha_beta(sizes, [2e-3 + s / 1e9 for s in sizes], 2)
+    assert math.isclose(alpha, 1e-3, rel_tol=1e-6) and math.isclose(bw, 1e9, rel_tol=1e-6)
+    assert allreduce_time(1, 1e9, 1, 1) == 0.0
+    rows = predict_scaling(0.01, 4 << 20, 200, 1e-5, 1e10, [8, 64])
+    assert rows[0]["efficiency_unfused"] < rows[0]["efficiency_fused"] <= 1.0
+    assert rows[1]["step_fused_s"] > rows[0]["step_fused_s"]
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(420)
+def test_quick_bench_tiny(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run([*HVDKIT, "bench", "--quick", "--out", str(out), "--models", "mlp",
+                           "--steps", "3", "--rounds", "1", "--sizes", "4096,65536", "--world-sizes", "1,2",
+                           "--fusion-mb", "0,128", "--bucket-mb", "25", "--cycle-ms", "1,5",
+                           "--ckpt-params-m", "1", "--overhead-epochs", "2"],
+                          env=base_env(), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "bench.json").read_text())
+    assert set(data) == {"env", "config", "results", "summary", "targets"}
+    assert data["env"]["torch"].startswith("2.13") and data["env"]["world_size"] == 2
+    for exp in ("ab", "fusion", "scaling", "allreduce", "ckpt", "overhead", "model"):
+        assert exp in data["summary"], exp
+        assert exp in data["results"] or exp == "model"
+    ab = data["summary"]["ab"][0]
+    assert ab["model"] == "mlp" and ab["horovod_samples_s"]["median"] > 0 and ab["ddp_samples_s"]["median"] > 0
+    assert {r["setting"] for r in data["summary"]["fusion"]["rows"]} >= {
+        "horovod fusion=0MB", "horovod fusion=128MB", "ddp bucket=25MB", "horovod fusion=128MB cycle=5ms"}
+    assert {(r["np"], r["backend"]) for r in data["summary"]["scaling"]["rows"]} == {
+        (1, "horovod"), (1, "ddp"), (2, "horovod"), (2, "ddp")}
+    sizes = [r["bytes"] for r in data["summary"]["allreduce"]["rows"]]
+    assert sizes == [4096, 65536]
+    assert len(data["results"]["ckpt"]["seconds"]["hdf5_save"]) == 2
+    assert len(data["targets"]) >= 5 and all("met" in t for t in data["targets"])
+    for exp, summary in data["summary"].items():
+        for x in numbers(summary):
+            assert math.isfinite(x), (exp, x)
+            assert x >= 0 or exp == "overhead", (exp, x)  # the overhead is signed
+    for name in ("ab", "fusion", "scaling", "allreduce", "model"):
+        png = out / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert "Horovod vs DDP" in (out / "summary.md").read_text()
