@@ -167,6 +167,8 @@ class TrainConfig:
     requeue: bool = True
     log_every: int = 0
     metrics_file: str | None = None
+    elastic: bool = False
+    commit_every: int = 10
     backend: BackendConfig = field(default_factory=BackendConfig)
 
     def __post_init__(self) -> None:
@@ -190,6 +192,8 @@ class TrainConfig:
         _positive("lr", self.lr)
         _positive("warmup_epochs", self.warmup_epochs, allow_zero=True)
         _positive("checkpoint_every", self.checkpoint_every, allow_zero=True)
+        if self.commit_every < 1:
+            raise ConfigError("commit_every must be >= 1", "commit at least every step")
         if self.keep_checkpoints < 1:
             raise ConfigError("keep_checkpoints must be >= 1", "keep at least one checkpoint")
 

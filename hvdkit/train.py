@@ -17,7 +17,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,11 +29,14 @@ from .backends import Backend, create_backend
 from .checkpoint import CheckpointManager, TrainingState
 from .config import TrainConfig
 from .data import H5Dataset, ShardSampler, per_rank_batch_size
-from .errors import ConfigError
+from .errors import ConfigError, HvdkitError
 from .models import build_model, synthetic_dataset
 from .preemption import PreemptionGuard, requeue_slurm_job
+from .profiling import step_profiler
 
-__all__ = ["TrainResult", "train", "make_optimizer", "warmup_factor", "param_digest"]
+__all__ = [
+    "TrainResult", "train", "train_step", "make_optimizer", "warmup_factor", "param_digest",
+]
 
 
 @dataclass
@@ -91,9 +94,59 @@ def train(cfg: TrainConfig, backend: Backend | None = None,
     backend = backend or create_backend(cfg.backend)
     try:
         return _train(cfg, backend, log)
+    except RuntimeError as exc:
+        if not is_peer_failure(exc):
+            raise
+        backend.abort()
+        others = [r for r in range(backend.size) if r != backend.rank]
+        who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others[0]}..{others[-1]}"
+        resume = f"rerun the job: it resumes from the last checkpoint in {cfg.checkpoint_dir}" \
+            if cfg.checkpoint_dir else "rerun the job (with --checkpoint-dir it would resume)"
+        raise HvdkitError(
+            f"rank {backend.rank}/{backend.size} ({backend.name}) lost contact with {who}: "
+            f"{_first_line(exc)}", resume) from None
     finally:
         if owns_backend:
             backend.shutdown()
+
+
+_PEER_FAILURE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                 "Horovod has been shut down", "timed out", "Timed out", "Socket Timeout",
+                 "NCCL communicator was aborted", "ProcessGroupGloo::allreduce")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True for the errors a collective raises when another rank died or stalled."""
+    text = f"{type(exc).__name__}: {exc}"
+    return type(exc).__name__ in ("DistBackendError", "HorovodInternalError", "DistNetworkError") \
+        or any(marker in text for marker in _PEER_FAILURE)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0][:300] if lines else type(exc).__name__
+
+
+def train_step(backend: Backend, model: nn.Module, optimizer: torch.optim.Optimizer,
+               batches: Iterator[tuple[torch.Tensor, torch.Tensor]], accum: int,
+               device: torch.device) -> torch.Tensor:
+    """One optimizer step over ``accum`` micro-batches; returns the step's mean loss (on device).
+
+    Only the last micro-batch communicates (DDP ``no_sync`` / Horovod
+    ``backward_passes_per_step``); dividing each loss by ``accum`` makes the
+    summed gradient the mean over the whole global batch.
+    """
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for micro in range(accum):
+        x, y = next(batches)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with backend.accumulate(model, sync=micro == accum - 1):
+            loss = nn.functional.cross_entropy(model(x), y) / accum
+            loss.backward()
+        total += loss.detach()
+    optimizer.step()
+    optimizer.zero_grad()
+    return total
 
 
 @dataclass
@@ -162,11 +215,12 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None]) -> Tr
                        "epoch_losses": result.epoch_losses}
         ckpt.save(model, optimizer, scheduler, state)
 
-    loss_fn = nn.CrossEntropyLoss()
     sampler = ShardSampler(len(dataset), size, backend.rank, seed=cfg.seed)
     device = backend.device
     done = cfg.max_steps is not None and state.global_step >= cfg.max_steps
-    with PreemptionGuard() as guard:
+    # DDP/local: rank 0 records a torch profiler trace; Horovod writes its own timeline.
+    timeline = cfg.backend.horovod.timeline if backend.name != "horovod" else None
+    with PreemptionGuard() as guard, step_profiler(timeline, master) as profiler:
         for epoch in range(state.epoch, cfg.epochs if not done else state.epoch):
             sampler.set_epoch(epoch, start=state.samples_in_epoch)
             batches = iter(DataLoader(dataset, batch_size=geo.batch, sampler=sampler, drop_last=True))
@@ -178,24 +232,15 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None]) -> Tr
             for _ in range(first_step, geo.steps_per_epoch):
                 # Agree on preemption while this step computes; read it after.
                 stop_requested = backend.start_any_true(guard.requested)
-                for micro in range(accum):
-                    x, y = next(batches)
-                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                    # Only the last micro-batch communicates (DDP no_sync / Horovod
-                    # backward_passes_per_step); dividing by accum makes the summed
-                    # gradient the mean over the whole global batch.
-                    with backend.accumulate(model, sync=micro == accum - 1):
-                        loss = loss_fn(model(x), y) / accum
-                        loss.backward()
-                    loss_sum += loss.detach()
-                optimizer.step()
-                optimizer.zero_grad()
+                loss = train_step(backend, model, optimizer, batches, accum, device)
+                loss_sum += loss
                 scheduler.step()
+                profiler.step()
                 state.global_step += 1
                 state.samples_in_epoch += geo.global_batch
                 state.samples_seen += geo.global_batch
                 if master and cfg.log_every and state.global_step % cfg.log_every == 0:
-                    log(f"step {state.global_step} loss {loss.item() * accum:.6f} "
+                    log(f"step {state.global_step} loss {loss.item():.6f} "
                         f"lr {scheduler.get_last_lr()[0]:.5g}")
 
                 stop = stop_requested()  # the same answer on every rank

@@ -64,3 +64,30 @@ def test_run_executes_and_propagates_exit_code():
     proc = subprocess.run([PY, "-m", "hvdkit", "run", "-np", "2", "--backend", "ddp", "--", PY, "-c",
                            "import sys; sys.exit(3)"], env=base_env(), capture_output=True, text=True, timeout=100)
     assert proc.returncode != 0
+
+
+def test_options_horovodrun_would_swallow_travel_as_environment():
+    result = CliRunner().invoke(cli, ["run", "--dry-run", "--model", "tiny", "--timeline", "/t/x.json",
+                                      "--fusion-threshold-mb", "4", "--config=c.yaml", "--stall-check-s", "9"])
+    line = result.output
+    assert "HVDKIT_TRAIN_TIMELINE=/t/x.json" in line and "HVDKIT_TRAIN_FUSION_THRESHOLD_MB=4" in line
+    assert "HVDKIT_TRAIN_CONFIG=c.yaml" in line and "HVDKIT_TRAIN_STALL_CHECK_S=9" in line
+    cmd = line.split("horovodrun", 1)[1]
+    assert "--timeline" not in cmd and "--config" not in cmd and "--model tiny" in cmd
+    ddp = CliRunner().invoke(cli, ["run", "--backend", "ddp", "--dry-run", "--timeline", "/t/x.json"]).output
+    assert "--timeline /t/x.json" in ddp  # mpirun leaves the program's options alone
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("backend", ["horovod", "ddp"])
+def test_timeline_written_by_rank0(tmp_path, backend):
+    trace = tmp_path / f"{backend}.json"
+    proc = subprocess.run([PY, "-m", "hvdkit", "run", "-np", "2", "--backend", backend, "--model", "tiny",
+                           "--epochs", "1", "--num-samples", "256", "--timeline", str(trace)],
+                          env=base_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = trace.read_text()
+    # Horovod's timeline names its allreduces; the torch profiler trace has traceEvents
+    assert ("ALLREDUCE" in text or "NEGOTIATE" in text) if backend == "horovod" else '"traceEvents"' in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == [trace.name]

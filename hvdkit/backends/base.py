@@ -30,6 +30,7 @@ class Backend(ABC):
 
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
+        self._aborted = False
 
     # -- identity ---------------------------------------------------------------
     @property
@@ -134,6 +135,10 @@ class Backend(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Tear down the communication library (idempotent)."""
+
+    def abort(self) -> None:
+        """After a peer failed: make :meth:`shutdown` skip anything that talks to the others."""
+        self._aborted = True
 
     def describe(self) -> str:
         """One line for logs."""

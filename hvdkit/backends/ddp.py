@@ -188,7 +188,8 @@ class DDPBackend(Backend):
             # destroy the group while Python is fully alive.
             gc.collect()
             try:
-                self.barrier()
+                if not self._aborted:  # a barrier with a dead peer would hang
+                    self.barrier()
             finally:
                 dist.destroy_process_group()
                 gc.collect()

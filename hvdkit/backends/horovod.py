@@ -130,6 +130,10 @@ class HorovodBackend(Backend):
                 hvd.broadcast_optimizer_state(optimizer, root_rank=root)
         hvd.broadcast_parameters(model.state_dict(), root_rank=root)
 
+    def reset_collective_names(self) -> None:
+        """Restart the name counter; after an elastic reset every rank must agree again."""
+        self._calls = 0
+
     def _name(self, kind: str) -> str:
         # Horovod matches collectives across ranks by name. Its default name for
         # *_object is type(obj).__name__, which differs between the root (a real

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +16,50 @@ from ..launch.local import (
     LocalLaunch,
     build_local_command,
     format_command,
+    render_discovery_script,
     render_launch_script,
     training_program,
 )
 from .common import config_option, translate_errors
+
+
+def horovodrun_option_names() -> set[str]:
+    """Long options horovodrun's own argparse knows (it also accepts any unique prefix)."""
+    try:
+        import horovod.runner.launch as launch
+    except ImportError:
+        return set()
+    return set(re.findall(r"'(--[a-zA-Z][\w-]*)'", inspect.getsource(launch.parse_args)))
+
+
+def shield_from_horovodrun(args: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
+    """Move 'hvdkit train' options that horovodrun would swallow into HVDKIT_TRAIN_* variables.
+
+    horovodrun parses options anywhere on its command line and accepts abbreviations, so
+    ``--timeline`` (a prefix of its ``--timeline-filename``), ``--elastic``, ``--config``,
+    ``--fusion-threshold-mb`` ... never reached the training script. click reads the same
+    values from the environment (auto_envvar_prefix), and horovodrun forwards it.
+    """
+    from .train_cmd import train_command
+
+    theirs = horovodrun_option_names()
+    params = {opt: p for p in train_command.params for opt in (*p.opts, *p.secondary_opts)}
+    kept: list[str] = []
+    env: dict[str, str] = {}
+    items = list(args)
+    while items:
+        arg = items.pop(0)
+        name, eq, inline = arg.partition("=")
+        param = params.get(name)
+        if param is None or not any(h.startswith(name) for h in theirs):
+            kept.append(arg)
+            continue
+        key = f"HVDKIT_TRAIN_{param.name.upper()}"
+        if getattr(param, "is_flag", False):
+            env[key] = "0" if name in param.secondary_opts else "1"
+        else:
+            env[key] = inline if eq else (items.pop(0) if items else "")
+    return kept, env
 
 
 @click.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -32,23 +74,50 @@ from .common import config_option, translate_errors
 @click.option("-H", "--hosts", default=None, help="host:slots,... (default localhost:NP).")
 @click.option("--oversubscribe/--no-oversubscribe", default=None,
               help="Allow more ranks than cores (default: automatic).")
+@click.option("--elastic", is_flag=True, help="Horovod Elastic: horovodrun --min-np/--max-np + discovery.")
+@click.option("--min-np", type=click.IntRange(min=1), default=None, help="Elastic: fewest ranks to keep going.")
+@click.option("--max-np", type=click.IntRange(min=1), default=None, help="Elastic: most ranks to grow to.")
+@click.option("--host-discovery-script", type=click.Path(dir_okay=False), default=None,
+              help="Elastic: executable printing host:slots lines.")
+@click.option("--write-discovery-script", type=click.Path(dir_okay=False), default=None,
+              help="Write a discovery script for Slurm allocations (slurm/discover_hosts.sh) and exit.")
+@click.option("--slots", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Slots per host in the written discovery script.")
 @click.option("--dry-run", is_flag=True, help="Print the command instead of running it.")
 @click.option("--write-script", type=click.Path(dir_okay=False), default=None,
               help="Write a standalone launch script (from slurm/mpirun.sh) instead of running.")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @translate_errors
 def run_command(np: int, backend: str, launcher: str, controller: str, hosts: str | None,
-                oversubscribe: bool | None, dry_run: bool, write_script: str | None,
-                args: tuple[str, ...], **_: Any) -> None:
+                oversubscribe: bool | None, elastic: bool, min_np: int | None, max_np: int | None,
+                host_discovery_script: str | None, write_discovery_script: str | None, slots: int,
+                dry_run: bool, write_script: str | None, args: tuple[str, ...], **_: Any) -> None:
     """Run training on NP local ranks.
 
     ARGS are 'hvdkit train' options (e.g. --model mlp --epochs 3), or after
     '--' a program of your own (e.g. -- python my_train.py).
     """
+    if write_discovery_script:
+        path = Path(write_discovery_script)
+        path.write_text(render_discovery_script(slots))
+        path.chmod(0o755)
+        click.echo(f"wrote {path}", err=True)
+        return
     chosen = launcher if launcher != "auto" else ("horovodrun" if backend == "horovod" else "mpirun")
+    if elastic and not host_discovery_script:
+        raise click.UsageError("--elastic needs --host-discovery-script (write one with --write-discovery-script)")
     spec = LocalLaunch(np=np, launcher=chosen, controller=controller, hosts=hosts,
-                       oversubscribe=oversubscribe)
+                       oversubscribe=oversubscribe,
+                       min_np=(min_np or 1) if elastic else None, max_np=(max_np or np) if elastic else None,
+                       discovery_script=host_discovery_script if elastic else None)
+    if elastic and (not args or args[0].startswith("-")):
+        args = (*args, "--elastic")
+    shielded: dict[str, str] = {}
+    if chosen == "horovodrun" and (not args or args[0].startswith("-")):
+        args_list, shielded = shield_from_horovodrun(args)
+        args = tuple(args_list)
     argv, env = build_local_command(spec, training_program(backend, args))
+    env.update(shielded)
     if dry_run:
         click.echo(format_command(argv, env))
         return

@@ -71,7 +71,7 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
 @_opt("--fusion-threshold-mb", type=click.FloatRange(min=0), default=None,
       help="HOROVOD_FUSION_THRESHOLD in MiB (0 = off; default Horovod's 128).")
 @_opt("--cycle-time-ms", type=click.FloatRange(min=0, min_open=True), default=None, help="HOROVOD_CYCLE_TIME.")
-@_opt("--timeline", type=click.Path(dir_okay=False), default=None, help="HOROVOD_TIMELINE file (Horovod).")
+@_opt("--timeline", type=click.Path(dir_okay=False), default=None, help="Horovod timeline (HOROVOD_TIMELINE) or, for DDP, a torch profiler trace; rank 0 writes it.")
 @_opt("--stall-check-s", type=click.IntRange(min=0), default=None, help="HOROVOD_STALL_CHECK_TIME_SECONDS.")
 @_opt("--stall-shutdown-s", type=click.IntRange(min=0), default=None,
       help="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS.")
@@ -89,10 +89,18 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
 @_opt("--resume/--no-resume", default=True, help="Resume from the newest valid checkpoint.")
 @_opt("--requeue/--no-requeue", default=True, help="On SIGUSR1 under Slurm: checkpoint and requeue.")
 @_opt("--log-every", type=click.IntRange(min=0), default=0, help="Print the loss every N steps.")
+@_opt("--elastic/--no-elastic", default=False, help="Horovod Elastic (run under horovodrun --min-np/--max-np).")
+@_opt("--commit-every", type=click.IntRange(min=1), default=10, help="Elastic: commit state every N steps.")
 @_opt("--metrics-file", type=click.Path(dir_okay=False), default=None, help="Rank 0 writes a JSON summary.")
 @translate_errors
 def train_command(**options: Any) -> None:
     """Train an example model; run it under horovodrun, mpirun or srun for N ranks."""
-    from ..train import train
+    cfg = build_train_config(options)
+    if cfg.elastic:
+        from ..elastic import train_elastic
 
-    train(build_train_config(options))
+        train_elastic(cfg)
+    else:
+        from ..train import train
+
+        train(cfg)

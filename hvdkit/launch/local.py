@@ -18,7 +18,7 @@ from ..errors import ConfigError
 
 __all__ = [
     "LAUNCHERS", "LocalLaunch", "build_local_command", "format_command", "root_mpi_env",
-    "training_program", "render_launch_script",
+    "training_program", "render_launch_script", "render_discovery_script",
 ]
 
 LAUNCHERS = ("horovodrun", "mpirun")
@@ -53,6 +53,9 @@ class LocalLaunch:
     hosts: str | None = None
     oversubscribe: bool | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    min_np: int | None = None
+    max_np: int | None = None
+    discovery_script: str | None = None
 
     def __post_init__(self) -> None:
         if self.np < 1:
@@ -61,6 +64,21 @@ class LocalLaunch:
             raise ConfigError(f"launcher {self.launcher!r} is not known", f"use one of: {', '.join(LAUNCHERS)}")
         if self.controller not in ("gloo", "mpi"):
             raise ConfigError(f"controller {self.controller!r} is not known", "use gloo or mpi")
+        if self.elastic:
+            if self.launcher != "horovodrun":
+                raise ConfigError("elastic training needs horovodrun", "use --launcher horovodrun")
+            if not self.discovery_script:
+                raise ConfigError("elastic training needs a host discovery script",
+                                  "pass --host-discovery-script (see --write-discovery-script)")
+            lo, hi = self.min_np or 1, self.max_np or self.np
+            if not 1 <= lo <= self.np <= hi:
+                raise ConfigError(f"need 1 <= --min-np ({lo}) <= -np ({self.np}) <= --max-np ({hi})",
+                                  "pick bounds around -np")
+
+    @property
+    def elastic(self) -> bool:
+        """Horovod Elastic: a discovery script or np bounds were given."""
+        return bool(self.discovery_script or self.min_np or self.max_np)
 
     @property
     def needs_oversubscribe(self) -> bool:
@@ -81,7 +99,12 @@ def build_local_command(
     environ = os.environ if environ is None else environ
     env = {**root_mpi_env(), **dict(spec.env)}
     if spec.launcher == "horovodrun":
-        argv = ["horovodrun", "-np", str(spec.np), "-H", spec.hosts or f"localhost:{spec.np}"]
+        argv = ["horovodrun", "-np", str(spec.np)]
+        if spec.elastic:  # Horovod Elastic runs on the Gloo controller
+            argv += ["--min-np", str(spec.min_np or 1), "--max-np", str(spec.max_np or spec.np),
+                     "--host-discovery-script", str(spec.discovery_script), "--gloo"]
+            return argv + list(program), env
+        argv += ["-H", spec.hosts or f"localhost:{spec.np}"]
         argv.append("--gloo" if spec.controller == "gloo" else "--mpi")
         if spec.controller == "mpi" and spec.needs_oversubscribe:
             argv += ["--mpi-args=--oversubscribe"]
@@ -114,3 +137,12 @@ def render_launch_script(argv: Sequence[str], env: Mapping[str, str], np: int) -
         "argv": list(argv), "exports": [(Raw(k), v) for k, v in sorted(env.items())],
         "np": np, "version": __version__,
     })
+
+
+def render_discovery_script(slots: int) -> str:
+    """Horovod Elastic host discovery for a Slurm allocation (from ``slurm/discover_hosts.sh``)."""
+    from .templates import render_template
+
+    if slots < 1:
+        raise ConfigError("--slots must be >= 1", "one slot per GPU (or per rank) on each host")
+    return render_template("discover_hosts.sh", {"slots": slots, "version": __version__})

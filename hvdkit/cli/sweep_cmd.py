@@ -1,0 +1,89 @@
+"""``hvdkit sweep``: hyperparameter search, locally N at a time or as a Slurm job array."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .common import translate_errors
+
+
+def _wait_for_array(job_id: str, timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        proc = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True)
+        if proc.returncode == 0 and not proc.stdout.strip():
+            return
+        time.sleep(2)
+    raise click.ClickException(f"job array {job_id} still running after {timeout_s:.0f}s; "
+                               f"collect later with: hvdkit sweep SPACE --out DIR --collect")
+
+
+@click.command("sweep")
+@click.argument("space", type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", type=click.Path(file_okay=False), default="sweep", show_default=True)
+@click.option("--backend", type=click.Choice(["horovod", "ddp", "local"]), default="ddp", show_default=True)
+@click.option("-np", "--np", "np", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks per trial.")
+@click.option("--parallel", type=click.IntRange(min=1), default=2, show_default=True, help="Local trials at a time.")
+@click.option("--slurm", is_flag=True, help="Run the trials as a Slurm job array instead of locally.")
+@click.option("--venv", default=None, help="Slurm: virtualenv to activate on the nodes.")
+@click.option("-t", "--time", "time_limit", default="01:00:00", show_default=True, help="Slurm: per-trial limit.")
+@click.option("-p", "--partition", default=None)
+@click.option("--max-parallel", type=click.IntRange(min=1), default=None, help="Slurm: %K array throttle.")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Slurm: wait for the array, then collect.")
+@click.option("--collect", is_flag=True, help="Only gather the results already in --out.")
+@translate_errors
+def sweep_command(space: str, out: str, backend: str, np: int, parallel: int, slurm: bool, venv: str | None,
+                  time_limit: str, partition: str | None, max_parallel: int | None, wait: bool,
+                  collect: bool) -> None:
+    """Run every trial of the grid/random SPACE (YAML) and print a results table and the best trial."""
+    from ..errors import ConfigError
+    from ..launch.local import training_program
+    from ..launch.slurm import SlurmJob, render_sbatch, submit
+    from ..sweep import best_trial, collect_results, load_space, plot_results, results_table, run_local, write_trials
+
+    spec = load_space(space)
+    out_dir = Path(out).resolve()
+    if not collect:
+        trials = write_trials(out_dir, spec)
+        click.echo(f"{len(trials)} trials written to {out_dir / 'trials'}", err=True)
+        if slurm:
+            array = f"0-{len(trials) - 1}" + (f"%{max_parallel}" if max_parallel else "")
+            python = "python" if venv else sys.executable
+            try:
+                job = SlurmJob(program=tuple(training_program(backend if backend != "local" else "ddp", [], python)),
+                               backend="horovod" if backend == "horovod" else "ddp", job_name="hvdkit-sweep",
+                               tasks_per_node=np, time=time_limit, partition=partition, venv=venv,
+                               output=str(out_dir / "logs" / "%x-%A_%a.out"), array=array,
+                               array_params=str(out_dir / "params.txt"), results_dir=str(out_dir / "results"),
+                               signal_seconds=None, requeue=False)
+            except ConfigError as exc:
+                raise click.UsageError(str(exc)) from None
+            (out_dir / "logs").mkdir(exist_ok=True)
+            script = out_dir / "sweep.sbatch"
+            script.write_text(render_sbatch(job))
+            job_id = submit(script.read_text(), cwd=out_dir)
+            click.echo(f"Submitted batch job {job_id} ({len(trials)} array tasks)")
+            if not wait:
+                return
+            _wait_for_array(job_id, timeout_s=24 * 3600)
+        else:
+            codes = run_local(out_dir, spec, trials, backend, np, parallel)
+            failed = [i for i, c in enumerate(codes) if c]
+            if failed:
+                click.echo(f"trials {failed} failed; logs in {out_dir / 'trials'}", err=True)
+    rows = collect_results(out_dir, spec)
+    table = results_table(rows, spec)
+    (out_dir / "results.md").write_text(table)
+    (out_dir / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    plot_results(rows, spec, out_dir / "results.png")
+    click.echo(table, nl=False)
+    best = best_trial(rows, spec)
+    if best is None:
+        raise click.ClickException("no trial produced the metric; see the trial logs")
+    click.echo(f"best: trial {best['trial']} {spec.metric}={best[spec.metric]:.6g} params={best['params']}")

@@ -1,0 +1,78 @@
+"""hvdkit sweep: grid/random spaces, local and Slurm-array runs, one results table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from conftest import HVDKIT, base_env
+from hvdkit.errors import ConfigError
+from hvdkit.sweep import SweepSpec, expand_trials, load_space, trial_args
+
+SPACE = """metric: final_loss
+mode: min
+fixed: {model: mlp, epochs: 1, num_samples: 512}
+grid: {lr: [0.005, 0.02, 0.05]}
+"""
+
+
+def test_grid_random_and_args(tmp_path):
+    grid = SweepSpec(grid={"lr": [0.1, 0.2], "optimizer": ["sgd", "adam"]})
+    assert expand_trials(grid) == [{"lr": 0.1, "optimizer": "sgd"}, {"lr": 0.1, "optimizer": "adam"},
+                                   {"lr": 0.2, "optimizer": "sgd"}, {"lr": 0.2, "optimizer": "adam"}]
+    rnd = SweepSpec(random={"trials": 5, "seed": 3, "params": {"lr": {"loguniform": [1e-3, 1e-1]},
+                                                               "batch_size": {"int": [8, 64]}}})
+    trials = expand_trials(rnd)
+    assert len(trials) == 5 and trials == expand_trials(rnd)  # seeded: reproducible
+    assert all(1e-3 <= t["lr"] <= 1e-1 and 8 <= t["batch_size"] <= 64 for t in trials)
+    assert trial_args({"lr": 0.5, "batch_size": 8, "scale_lr": False}) == [
+        "--lr", "0.5", "--batch-size", "8", "--no-scale-lr"]
+    with pytest.raises(ConfigError, match="exactly one of 'grid' or 'random'"):
+        SweepSpec()
+    bad = tmp_path / "s.yaml"
+    bad.write_text("grid: {lr: [1]}\nsearch: x\n")
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_space(bad)
+
+
+def _check_results(out, n):
+    rows = json.loads((out / "results.json").read_text())
+    assert [r["trial"] for r in rows] == list(range(n))
+    assert [r["params"]["lr"] for r in rows] == [0.005, 0.02, 0.05]   # rows match the trials
+    losses = [r["final_loss"] for r in rows]
+    assert all(isinstance(x, float) for x in losses) and len(set(losses)) == n
+    assert (out / "results.png").read_bytes()[:4] == b"\x89PNG"
+    return rows
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(240)
+def test_local_sweep_of_three_trials(tmp_path):
+    space = tmp_path / "space.yaml"
+    space.write_text(SPACE)
+    out = tmp_path / "out"
+    proc = subprocess.run([*HVDKIT, "sweep", str(space), "--out", str(out), "--np", "2", "--parallel", "1"],
+                          env=base_env(), capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = _check_results(out, 3)
+    best = min(rows, key=lambda r: r["final_loss"])
+    assert f"best: trial {best['trial']}" in proc.stdout and "| trial | lr | final_loss |" in proc.stdout
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_slurm_array_sweep_of_three_trials(tmp_path):
+    import sys
+
+    space = tmp_path / "space.yaml"
+    space.write_text(SPACE)
+    out = tmp_path / "out"
+    proc = subprocess.run([*HVDKIT, "sweep", str(space), "--out", str(out), "--slurm", "--np", "2",
+                           "--venv", sys.prefix, "--time", "5:00"], env=base_env(), capture_output=True,
+                          text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Submitted batch job" in proc.stdout and "(3 array tasks)" in proc.stdout
+    assert len(list((out / "results").glob("hvdkit-sweep-*-*.json"))) == 3
+    _check_results(out, 3)
