@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import pytest
 
@@ -47,32 +48,29 @@ def _check_results(out, n):
     return rows
 
 
-@pytest.mark.mp
-@pytest.mark.timeout(240)
-def test_local_sweep_of_three_trials(tmp_path):
+def _sweep(tmp_path, *options, timeout=220):
     space = tmp_path / "space.yaml"
     space.write_text(SPACE)
     out = tmp_path / "out"
-    proc = subprocess.run([*HVDKIT, "sweep", str(space), "--out", str(out), "--np", "2", "--parallel", "1"],
-                          env=base_env(), capture_output=True, text=True, timeout=220)
+    proc = subprocess.run([*HVDKIT, "sweep", str(space), "--out", str(out), "--np", "2", *options],
+                          env=base_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out, proc.stdout
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(240)
+def test_local_sweep_of_three_trials(tmp_path):
+    out, stdout = _sweep(tmp_path, "--parallel", "1")
     rows = _check_results(out, 3)
     best = min(rows, key=lambda r: r["final_loss"])
-    assert f"best: trial {best['trial']}" in proc.stdout and "| trial | lr | final_loss |" in proc.stdout
+    assert f"best: trial {best['trial']}" in stdout and "| trial | lr | final_loss |" in stdout
 
 
 @pytest.mark.slurm
 @pytest.mark.timeout(300)
 def test_slurm_array_sweep_of_three_trials(tmp_path):
-    import sys
-
-    space = tmp_path / "space.yaml"
-    space.write_text(SPACE)
-    out = tmp_path / "out"
-    proc = subprocess.run([*HVDKIT, "sweep", str(space), "--out", str(out), "--slurm", "--np", "2",
-                           "--venv", sys.prefix, "--time", "5:00"], env=base_env(), capture_output=True,
-                          text=True, timeout=280)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "Submitted batch job" in proc.stdout and "(3 array tasks)" in proc.stdout
+    out, stdout = _sweep(tmp_path, "--slurm", "--venv", sys.prefix, "--time", "5:00", timeout=280)
+    assert "Submitted batch job" in stdout and "(3 array tasks)" in stdout
     assert len(list((out / "results").glob("hvdkit-sweep-*-*.json"))) == 3
     _check_results(out, 3)
