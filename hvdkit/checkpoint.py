@@ -19,7 +19,6 @@ file names the newest checkpoint; the oldest beyond ``keep`` are removed.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
 import re

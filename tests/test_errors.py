@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from click.testing import CliRunner
 
-from conftest import HVDKIT, PY, base_env, launch
+from conftest import HVDKIT, base_env, launch
 from hvdkit.cli import cli
 
 

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import HVDKIT, PY, WORKERS, base_env, check, launch
 from hvdkit.checkpoint import read_checkpoint, verify_checkpoint

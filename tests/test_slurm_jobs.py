@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import ROOT
 from hvdkit.cli import cli
 
 pytestmark = [pytest.mark.slurm]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

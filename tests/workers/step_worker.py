@@ -29,7 +29,7 @@ after_broadcast = {k: v.clone() for k, v in backend.unwrap(model).state_dict().i
 
 gen = torch.Generator().manual_seed(7)
 steps = []
-for step in range(2):
+for _ in range(2):
     X = torch.randn(size * accum * MICRO, 8, generator=gen)
     Y = torch.randint(0, 4, (size * accum * MICRO,), generator=gen)
     for micro in range(accum):

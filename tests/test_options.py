@@ -1,0 +1,43 @@
+"""Backend options that change the arithmetic: compression, Adasum, LR scaling and warm-up."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import HVDKIT, check, launch
+from hvdkit.train import warmup_factor
+
+
+def test_warmup_ramps_from_unscaled_to_scaled_lr():
+    assert warmup_factor(0, 10, 4.0) == 0.25          # the single-worker LR at step 0
+    assert warmup_factor(5, 10, 4.0) == pytest.approx(0.625)
+    assert warmup_factor(10, 10, 4.0) == 1.0 and warmup_factor(3, 0, 4.0) == 1.0
+
+
+def final(out):
+    return float(re.search(r"final_loss=(\S+)", out).group(1))
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend,kind", [("horovod", "hvd-gloo"), ("ddp", "mpirun")])
+def test_fp16_compression_trains_and_stays_in_sync(backend, kind):
+    args = [*HVDKIT, "train", "--backend", backend, "--model", "mlp", "--epochs", "2", "--num-samples", "512"]
+    plain = final(check(launch(kind, 2, args)))
+    out = check(launch(kind, 2, [*args, "--compression", "fp16"]))
+    assert "params_identical_on_all_ranks=True" in out
+    # fp16 gradients change the numbers a little, not the outcome
+    assert final(out) != plain and abs(final(out) - plain) < 0.05 * plain
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(200)
+def test_adasum_and_warmup_under_mpi():
+    out = check(launch("hvd-mpi", 2, [*HVDKIT, "train", "--backend", "horovod", "--hvd-op", "adasum",
+                                      "--model", "mlp", "--epochs", "2", "--num-samples", "512",
+                                      "--warmup-epochs", "1", "--log-every", "1"]))
+    assert "params_identical_on_all_ranks=True" in out
+    lrs = [float(x) for x in re.findall(r"step \d+ loss \S+ lr ([0-9.e+-]+)", out)]
+    assert lrs[0] < lrs[7] == pytest.approx(0.02)       # ramped up to 0.01 x 2 ranks in one epoch
