@@ -34,6 +34,7 @@ import torch
 
 from . import __version__
 from .errors import CheckpointError
+from .fileio import write_text_atomic
 from .h5tree import ChecksumMismatch, read_tree, write_tree
 
 __all__ = [
@@ -282,9 +283,7 @@ class CheckpointManager:
             stale.unlink(missing_ok=True)
 
     def _write_pointer(self, target: Path) -> None:
-        tmp = self.directory / f".latest.tmp{os.getpid()}"
-        tmp.write_text(target.name + "\n")
-        os.replace(tmp, self.directory / "latest")
+        write_text_atomic(self.directory / "latest", target.name + "\n")
 
     def find_latest_valid(self) -> tuple[Path, Snapshot] | None:
         """Newest checkpoint that verifies, warning about (and skipping) corrupt ones."""

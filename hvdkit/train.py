@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import signal
 import socket
@@ -30,6 +29,7 @@ from .checkpoint import CheckpointManager, TrainingState
 from .config import TrainConfig
 from .data import H5Dataset, ShardSampler, per_rank_batch_size
 from .errors import ConfigError, HvdkitError
+from .fileio import write_json_atomic
 from .models import build_model, synthetic_dataset
 from .preemption import PreemptionGuard, requeue_slurm_job
 from .profiling import step_profiler
@@ -315,8 +315,5 @@ def _resumed_loss_sum(state: TrainingState, backend: Backend) -> float:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, data)
     print(f"[hvdkit] wrote {path}", file=sys.stderr, flush=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -11,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["summarize", "environment", "write_json", "Timer"]
+__all__ = ["summarize", "environment", "Timer"]
 
 
 def summarize(samples: list[float]) -> dict[str, float]:
@@ -60,15 +59,6 @@ def environment(world_size: int | None = None) -> dict[str, Any]:
     except ImportError:
         env["horovod"] = None
     return env
-
-
-def write_json(path: Path, data: Any) -> Path:
-    """Write ``data`` as pretty JSON atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
-    return path
 
 
 class Timer:

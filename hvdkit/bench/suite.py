@@ -25,7 +25,8 @@ from ..errors import HvdkitError
 from ..launch.local import LocalLaunch, build_local_command
 from ..models import build_model
 from .costmodel import fit_alpha_beta, predict_scaling
-from .stats import environment, summarize, write_json
+from ..fileio import write_json_atomic as write_json
+from .stats import environment, summarize
 
 EXPERIMENTS = ("ab", "fusion", "scaling", "allreduce", "ckpt", "overhead", "model")
 MB = 1 << 20

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from ..backends import Backend, LocalBackend
 from ..config import BackendConfig, DDPOptions, HorovodOptions
 from ..models import MODELS, build_model
-from .stats import Timer, environment, write_json
+from ..fileio import write_json_atomic as write_json
+from .stats import Timer, environment
 
 _DDP: Backend | None = None
 

@@ -7,11 +7,11 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import click
 
+from ..fileio import write_text_atomic
 from ..launch.local import (
     LocalLaunch,
     build_local_command,
@@ -98,9 +98,7 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
     '--' a program of your own (e.g. -- python my_train.py).
     """
     if write_discovery_script:
-        path = Path(write_discovery_script)
-        path.write_text(render_discovery_script(slots))
-        path.chmod(0o755)
+        path = write_text_atomic(write_discovery_script, render_discovery_script(slots), executable=True)
         click.echo(f"wrote {path}", err=True)
         return
     chosen = launcher if launcher != "auto" else ("horovodrun" if backend == "horovod" else "mpirun")
@@ -122,9 +120,7 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
         click.echo(format_command(argv, env))
         return
     if write_script:
-        path = Path(write_script)
-        path.write_text(render_launch_script(argv, env, np))
-        path.chmod(0o755)
+        path = write_text_atomic(write_script, render_launch_script(argv, env, np), executable=True)
         click.echo(f"wrote {path}", err=True)
         return
     try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ import click
 import yaml
 
 from ..errors import ConfigError
+from ..fileio import write_text_atomic
 from ..launch.local import training_program
 from ..launch.slurm import SLURM_LAUNCHERS, SRUN_MPI, SlurmJob, render_sbatch, submit
 from .common import config_option, translate_errors
@@ -51,14 +51,6 @@ def build_job(o: dict[str, Any]) -> SlurmJob:
         array_params=o["array_params"], results_dir=o["results_dir"],
         checkpoint_dir=o["checkpoint_dir"], process_group=o["process_group"],
     )
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    tmp.chmod(0o755)
-    os.replace(tmp, path)
 
 
 @click.command("slurm", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -124,7 +116,7 @@ def slurm_command(**o: Any) -> None:
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     if o["out"]:
-        _write_atomic(Path(o["out"]), text)
+        write_text_atomic(o["out"], text, executable=True)
         click.echo(f"wrote {o['out']}", err=True)
     elif not o["submit"]:
         click.echo(text, nl=False)

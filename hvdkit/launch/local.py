@@ -128,13 +128,10 @@ def format_command(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
 
 def render_launch_script(argv: Sequence[str], env: Mapping[str, str], np: int) -> str:
     """A standalone bash script (from ``slurm/mpirun.sh``) that runs ``argv`` with ``env``."""
-    from .templates import Raw, render_template
+    from .templates import Raw, check_env_name, render_template
 
-    for key in env:
-        if not key.replace("_", "a").isalnum() or key[0].isdigit():
-            raise ConfigError(f"environment name {key!r} is invalid", "use NAME=value with NAME like FOO_BAR")
     return render_template("mpirun.sh", {
-        "argv": list(argv), "exports": [(Raw(k), v) for k, v in sorted(env.items())],
+        "argv": list(argv), "exports": [(Raw(check_env_name(k)), v) for k, v in sorted(env.items())],
         "np": np, "version": __version__,
     })
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from .. import __version__
 from ..errors import ConfigError, HvdkitError
-from .templates import Raw, render_template, template_dir
+from .templates import Raw, check_env_name, render_template, template_dir
 
 __all__ = ["SlurmJob", "render_sbatch", "submit", "parse_time", "SRUN_MPI", "SLURM_LAUNCHERS"]
 
@@ -26,7 +26,6 @@ SRUN_MPI = ("pmix", "pmi2", "none")
 SLURM_LAUNCHERS = ("srun", "mpirun", "horovodrun")
 _NAME_LIST = re.compile(r"^[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*$")
 _MEM = re.compile(r"^\d+(\.\d+)?[KMGT]?$")
-_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ARRAY = re.compile(r"^\d+(-\d+)?(:\d+)?(,\d+(-\d+)?(:\d+)?)*(%\d+)?$")
 _EXTRA = re.compile(r"^--?[A-Za-z][A-Za-z0-9-]*(=\S.*)?$")
 _SIGNAL = re.compile(r"^(B:)?(USR1|USR2|TERM|INT|HUP)$")
@@ -142,8 +141,7 @@ class SlurmJob:
         if self.array_params and not self.array:
             raise ConfigError("--array-params needs --array", "add --array 0-(lines-1)")
         for key, _ in self.env:
-            if not _ENV_KEY.match(key):
-                raise ConfigError(f"environment name {key!r} is invalid", "use NAME=value with NAME like FOO_BAR")
+            check_env_name(key)
         for line in self.extra_sbatch:
             if not _EXTRA.match(line) or "\n" in line:
                 raise ConfigError(f"extra #SBATCH line {line!r} is not an option",

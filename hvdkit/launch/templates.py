@@ -12,6 +12,7 @@ template cannot forget to quote a path with spaces, quotes or ``$``.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -19,7 +20,16 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["Raw", "template_dir", "render_template"]
+__all__ = ["Raw", "template_dir", "render_template", "check_env_name"]
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def check_env_name(key: str) -> str:
+    """``key`` if it can be ``export``ed by a generated script, else a one-line ConfigError."""
+    if not _ENV_NAME.match(key):
+        raise ConfigError(f"environment name {key!r} is invalid", "use NAME=value with NAME like FOO_BAR")
+    return key
 
 
 class Raw(str):
