@@ -1,6 +1,6 @@
 # Command 1 (fresh machine): make demo   -- set everything up, then run the main job
 # Command 2:                 make test   -- run the test suite (sets up what it needs)
-.PHONY: demo setup test slurm bench lint
+.PHONY: demo setup test slurm cluster-down bench lint
 demo: setup
 	./scripts/demo.sh
 setup:
@@ -8,7 +8,9 @@ setup:
 test:
 	./scripts/test.sh
 slurm:
-	./scripts/local-slurm.sh up
+	./scripts/local-cluster.sh up --nodes 2
+cluster-down:
+	./scripts/local-cluster.sh down
 bench: setup
 	.venv/bin/hvdkit bench --quick --out bench-results
 lint:

@@ -113,12 +113,12 @@ def check_slurm() -> Check:
     if missing:
         return Check("slurm", False, f"missing: {', '.join(missing)}",
                      "run on a Slurm login node, or apt-get install slurm-wlm (scripts/setup.sh) "
-                     "and scripts/local-slurm.sh up", ("slurm",))
+                     "and scripts/local-cluster.sh up", ("slurm",))
     code, out = _cmd(["sinfo", "-h", "-o", "%P %a %D %t"])
     _, mpis = _cmd(["srun", "--mpi=list"])
     pmix = "pmix" in mpis
     detail = f"sinfo: {out.splitlines()[0] if code == 0 and out else 'no controller reachable'}; srun --mpi: {'pmix' if pmix else 'no pmix'}"
-    fix = "" if code == 0 else "start Slurm (scripts/local-slurm.sh up) or check slurm.conf"
+    fix = "" if code == 0 else "start Slurm (scripts/local-cluster.sh up) or check slurm.conf"
     if code == 0 and not pmix:
         fix = "Horovod under srun needs --mpi=pmix (or use --launcher mpirun)"
     return Check("slurm", code == 0, detail, fix, ("slurm",))

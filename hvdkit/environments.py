@@ -30,6 +30,7 @@ __all__ = [
     "detect_environment",
     "expand_nodelist",
     "find_free_port",
+    "check_network_interface",
 ]
 
 
@@ -106,6 +107,29 @@ def expand_nodelist(nodelist: str) -> list[str]:
         ]
         hosts.extend("".join(combo) for combo in itertools.product(*choices))
     return hosts
+
+
+def check_network_interface(environ: Mapping[str, str] | None = None) -> str | None:
+    """Check that the interface named by ``--iface`` exists on this host; return it.
+
+    Gloo, NCCL and Open MPI given a name that does not exist fail late and obscurely
+    (a rendezvous timeout, or a fallback to another network), so every rank checks
+    the name before any communication starts and fails in one line naming the host.
+    """
+    from .launch.vocabulary import IFACE_VAR
+
+    env = os.environ if environ is None else environ
+    iface = env.get(IFACE_VAR)
+    if not iface:
+        return None
+    present = sorted(name for _, name in socket.if_nameindex())
+    if iface not in present:
+        raise LauncherEnvError(
+            f"network interface {iface!r} (--iface) does not exist on {socket.gethostname()}, "
+            f"which has: {', '.join(present)}",
+            "pass --iface with a name from that list (the same on every node)",
+        )
+    return iface
 
 
 class ClusterEnvironment(ABC):

@@ -52,6 +52,9 @@ class TrainResult:
     requeue: str = ""
     param_digest: str = ""
     ranks: list[str] = field(default_factory=list)
+    # one dict per rank, in rank order: rank, local_rank, host, pid, threads
+    placement: list[dict] = field(default_factory=list)
+    topology: dict = field(default_factory=dict)
 
     @property
     def final_loss(self) -> float:
@@ -92,14 +95,14 @@ def train(cfg: TrainConfig, backend: Backend | None = None,
     """Run one training job; collective, so every rank must call it."""
     owns_backend = backend is None
     backend = backend or create_backend(cfg.backend)
+    result = TrainResult(backend=backend.name, world_size=backend.size)
     try:
-        return _train(cfg, backend, log)
+        return _train(cfg, backend, log, result)
     except RuntimeError as exc:
         if not is_peer_failure(exc):
             raise
         backend.abort()
-        others = [r for r in range(backend.size) if r != backend.rank]
-        who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others[0]}..{others[-1]}"
+        who = _peers_text(backend.rank, result.placement, backend.size)
         resume = f"rerun the job: it resumes from the last checkpoint in {cfg.checkpoint_dir}" \
             if cfg.checkpoint_dir else "rerun the job (with --checkpoint-dir it would resume)"
         raise HvdkitError(
@@ -113,6 +116,22 @@ def train(cfg: TrainConfig, backend: Backend | None = None,
 _PEER_FAILURE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
                  "Horovod has been shut down", "timed out", "Timed out", "Socket Timeout",
                  "NCCL communicator was aborted", "ProcessGroupGloo::allreduce")
+
+
+def _peers_text(me: int, placement: list[dict], size: int) -> str:
+    """'rank 1 on node2', or the other ranks with their hosts, for a lost-peer message.
+
+    A collective cannot tell which peer vanished, so with several peers all of them
+    are named; the hosts are what an operator needs to find the dead node.
+    """
+    others = [p for p in placement if p["rank"] != me]
+    if not others:  # failed before the placement was known
+        ids = [r for r in range(size) if r != me]
+        return f"rank {ids[0]}" if len(ids) == 1 else f"one of ranks {ids[0]}..{ids[-1]}"
+    if len(others) == 1:
+        return f"rank {others[0]['rank']} on {others[0]['host']}"
+    hosts = sorted({p["host"] for p in others})
+    return f"one of ranks {others[0]['rank']}..{others[-1]['rank']} (on {', '.join(hosts)})"
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -174,11 +193,15 @@ def _geometry(cfg: TrainConfig, size: int, num_samples: int) -> _Geometry:
     return _Geometry(batch, global_batch, min(steps, cfg.steps_per_epoch or steps))
 
 
-def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None]) -> TrainResult:
+def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
+           result: TrainResult) -> TrainResult:
     master = backend.is_master  # global rank 0: the only rank with side effects
     size, accum = backend.size, cfg.backend.accumulation_steps
-    result = TrainResult(backend=backend.name, world_size=size)
-    result.ranks = backend.gather_objects(f"{backend.rank}@{socket.gethostname()}:{os.getpid()}")
+    result.placement = backend.gather_objects(
+        {"rank": backend.rank, "local_rank": backend.local_rank, "host": socket.gethostname(),
+         "pid": os.getpid(), "threads": torch.get_num_threads()})
+    result.ranks = [f"{p['rank']}@{p['host']}:{p['pid']}" for p in result.placement]
+    result.topology = backend.topology()
 
     dataset = H5Dataset(cfg.data) if cfg.data else synthetic_dataset(cfg.model, cfg.num_samples)
     geo = _geometry(cfg, size, len(dataset))
@@ -206,7 +229,8 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None]) -> Tr
     result.epoch_losses = list(state.extra.get("epoch_losses", []))
     if master:
         log(f"{backend.describe()}; world {size}, batch {geo.batch}/rank, global {geo.global_batch}, "
-            f"lr {cfg.lr * lr_scale:g}, {geo.steps_per_epoch} steps/epoch, start step "
+            f"lr {cfg.lr * lr_scale:g}, {geo.steps_per_epoch} steps/epoch, "
+            f"{result.topology['nodes']} node(s) {' '.join(result.topology['hosts'])}, start step "
             f"{state.global_step}, slurm restarts {os.environ.get('SLURM_RESTART_COUNT', '0')}")
 
     def save() -> None:

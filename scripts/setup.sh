@@ -22,9 +22,10 @@ log() { printf '[setup] %s\n' "$*"; }
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 # --- 1. system packages -------------------------------------------------------
-APT_PACKAGES=(openmpi-bin libopenmpi-dev slurm-wlm munge shellcheck hdf5-tools)
+# openssh-server + iproute2 + util-linux: the local multi-node cluster (scripts/local-cluster.sh)
+APT_PACKAGES=(openmpi-bin libopenmpi-dev slurm-wlm munge shellcheck hdf5-tools openssh-server openssh-client iproute2 util-linux)
 need_apt=0
-for cmd in mpirun mpicc sbatch slurmctld munged shellcheck h5dump; do
+for cmd in mpirun mpicc sbatch slurmctld munged shellcheck h5dump /usr/sbin/sshd ssh ip nsenter; do
   command -v "$cmd" >/dev/null 2>&1 || need_apt=1
 done
 if [ "${HVDKIT_SKIP_APT:-0}" != 1 ] && [ "$need_apt" = 1 ]; then

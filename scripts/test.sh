@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Everything the tests need, then the tests: set-up (idempotent, cached),
-# the local Slurm cluster, and pytest. Extra arguments go to pytest.
+# the local 2-node Slurm cluster, pytest, and the cluster's teardown (by recorded PIDs)
+# whatever pytest did. Extra arguments go to pytest.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/scripts/setup.sh"
-"$ROOT/scripts/local-slurm.sh" up
+"$ROOT/scripts/local-cluster.sh" up --nodes 2
+trap '"$ROOT/scripts/local-cluster.sh" down' EXIT
 # shellcheck disable=SC1091
 source "${HVDKIT_VENV:-$ROOT/.venv}/bin/activate"
 cd "$ROOT"
-exec python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -q -p no:cacheprovider "$@"

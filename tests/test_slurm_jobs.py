@@ -1,6 +1,6 @@
 """Generated scripts submitted to the real local Slurm (slurmctld + slurmd + munge).
 
-scripts/test.sh starts the cluster (scripts/local-slurm.sh up) before pytest.
+scripts/test.sh starts the cluster (scripts/local-cluster.sh up) before pytest.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ TRAIN = ["--model", "cnn", "--epochs", "3", "--num-samples", "1024", "--batch-si
 @pytest.fixture(scope="module", autouse=True)
 def slurm_up():
     ok = shutil.which("sbatch") and subprocess.run(["sinfo", "-h"], capture_output=True).returncode == 0
-    assert ok, "local Slurm is not running: run scripts/local-slurm.sh up (scripts/test.sh does)"
+    assert ok, "local Slurm is not running: run scripts/local-cluster.sh up (scripts/test.sh does)"
 
 
 def job_state(job: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..config import BackendConfig
+from ..environments import check_network_interface
 from ..errors import ConfigError
 from .base import Backend
 from .local import LocalBackend
@@ -12,6 +13,7 @@ __all__ = ["Backend", "LocalBackend", "create_backend"]
 
 def create_backend(config: BackendConfig) -> Backend:
     """Initialise the backend ``config.name`` and return it (imports it lazily)."""
+    check_network_interface()  # before any library opens a socket on the wrong network
     if config.name == "horovod":
         from .horovod import HorovodBackend
 

@@ -140,6 +140,16 @@ class Backend(ABC):
         """After a peer failed: make :meth:`shutdown` skip anything that talks to the others."""
         self._aborted = True
 
+    def topology(self) -> dict[str, Any]:
+        """How the ranks are spread over nodes, as this backend sees it (same on every rank).
+
+        ``nodes`` counts distinct hostnames; backends add what their library reports
+        (Horovod's ``cross_size``, DDP's rendezvous address). Collective: call on every rank.
+        """
+        hosts = self.gather_objects(socket.gethostname())
+        return {"nodes": len(set(hosts)), "hosts": sorted(set(hosts)),
+                "master_addr": os.environ.get("MASTER_ADDR")}
+
     def describe(self) -> str:
         """One line for logs."""
         return f"{self.name} rank {self.rank}/{self.size} on {self.device}"

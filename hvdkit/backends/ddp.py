@@ -100,6 +100,12 @@ class DDPBackend(Backend):
     def local_rank(self) -> int:
         return self._local_rank
 
+    def topology(self) -> dict[str, Any]:
+        """Adds where the ranks met: the launcher environment and rank 0's address."""
+        return {**super().topology(), "environment": self.env.name,
+                "master_addr": self.env.main_address, "master_port": self.env.main_port,
+                "process_group": self.pg_backend}
+
     def wrap(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:

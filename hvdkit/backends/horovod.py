@@ -88,6 +88,12 @@ class HorovodBackend(Backend):
     def local_rank(self) -> int:
         return int(self.hvd.local_rank())
 
+    def topology(self) -> dict[str, Any]:
+        """Adds Horovod's own view: ``cross_size`` (nodes), ``local_size`` (ranks per node)."""
+        return {**super().topology(), "cross_size": int(self.hvd.cross_size()),
+                "local_size": int(self.hvd.local_size()),
+                "controller": "mpi" if self.hvd.mpi_enabled() else "gloo"}
+
     def _op(self) -> Any:
         return {"average": self.hvd.Average, "sum": self.hvd.Sum, "adasum": self.hvd.Adasum}[
             self.config.horovod.op

@@ -12,6 +12,7 @@ import yaml
 from ..errors import ConfigError
 from ..fileio import write_text_atomic
 from ..launch.local import training_program
+from ..launch.vocabulary import iface_env
 from ..launch.slurm import SLURM_LAUNCHERS, SRUN_MPI, SlurmJob, render_sbatch, submit
 from .common import config_option, translate_errors
 
@@ -34,8 +35,7 @@ def build_job(o: dict[str, Any]) -> SlurmJob:
     if o["cycle_time_ms"] is not None:
         env.append(("HOROVOD_CYCLE_TIME", repr(float(o["cycle_time_ms"]))))
     if o["iface"]:
-        env += [("NCCL_SOCKET_IFNAME", o["iface"]), ("GLOO_SOCKET_IFNAME", o["iface"]),
-                ("HOROVOD_GLOO_IFACE", o["iface"])]
+        env += sorted(iface_env(o["iface"]).items())
     python = "python" if (o["venv"] or o["conda_env"]) else sys.executable
     return SlurmJob(
         program=tuple(training_program(o["backend"], tuple(o["args"]), python)),

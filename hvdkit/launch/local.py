@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from .. import __version__
 from ..errors import ConfigError
+from .vocabulary import FORWARDED_VARS, MPIRUN_BASE, iface_env, root_mpi_env
 
 __all__ = [
     "LAUNCHERS", "LocalLaunch", "build_local_command", "format_command", "root_mpi_env",
@@ -23,24 +24,12 @@ __all__ = [
 
 LAUNCHERS = ("horovodrun", "mpirun")
 
-# What Horovod's docs pass to mpirun: no binding (torch threads move freely),
-# ranks by slot, TCP only (no InfiniBand probing on machines without it).
-MPIRUN_BASE = ["-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib"]
-FORWARDED_VARS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "NCCL_DEBUG", "OMP_NUM_THREADS")
-
 
 def training_program(backend: str, args: Sequence[str], python: str | None = None) -> list[str]:
     """``args`` as given when they name a program, else ``python -m hvdkit train --backend B args``."""
     if args and not args[0].startswith("-"):
         return list(args)
     return [python or sys.executable, "-m", "hvdkit", "train", "--backend", backend, *args]
-
-
-def root_mpi_env() -> dict[str, str]:
-    """Open MPI refuses to run as root unless told; return the two variables when we are root."""
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    return {}
 
 
 @dataclass(frozen=True)
@@ -56,6 +45,7 @@ class LocalLaunch:
     min_np: int | None = None
     max_np: int | None = None
     discovery_script: str | None = None
+    iface: str | None = None
 
     def __post_init__(self) -> None:
         if self.np < 1:
@@ -97,9 +87,11 @@ def build_local_command(
     ... exist and so can be forwarded with ``mpirun -x``.
     """
     environ = os.environ if environ is None else environ
-    env = {**root_mpi_env(), **dict(spec.env)}
+    env = {**root_mpi_env(), **(iface_env(spec.iface) if spec.iface else {}), **dict(spec.env)}
     if spec.launcher == "horovodrun":
         argv = ["horovodrun", "-np", str(spec.np)]
+        if spec.iface:  # the interface horovodrun's driver and Gloo rendezvous use
+            argv += ["--network-interface", spec.iface]
         if spec.elastic:  # Horovod Elastic runs on the Gloo controller
             argv += ["--min-np", str(spec.min_np or 1), "--max-np", str(spec.max_np or spec.np),
                      "--host-discovery-script", str(spec.discovery_script), "--gloo"]
@@ -114,8 +106,8 @@ def build_local_command(
         argv += ["-H", spec.hosts]
     if spec.needs_oversubscribe:
         argv.append("--oversubscribe")
-    for var in (*FORWARDED_VARS, *spec.env):
-        if var in environ or var in spec.env:
+    for var in dict.fromkeys((*FORWARDED_VARS, *env)):
+        if (var in environ or var in env) and not var.startswith("OMPI_"):  # mpirun sends OMPI_*
             argv += ["-x", var]
     return argv + list(program), env
 

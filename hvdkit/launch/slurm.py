@@ -19,6 +19,7 @@ from typing import Any
 from .. import __version__
 from ..errors import ConfigError, HvdkitError
 from .templates import Raw, check_env_name, render_template, template_dir
+from .vocabulary import FORWARDED_VARS, MPIRUN_BASE
 
 __all__ = ["SlurmJob", "render_sbatch", "submit", "parse_time", "SRUN_MPI", "SLURM_LAUNCHERS"]
 
@@ -190,6 +191,8 @@ def _context(job: SlurmJob, template: str) -> dict[str, Any]:
         "gpus": job.gpus_per_node > 0 or bool(job.gpus_per_task),
         "srun_mpi": Raw(job.srun_mpi if job.backend == "horovod" else "none"),
         "launcher": job.launcher,
+        "forwarded": [Raw(v) for v in FORWARDED_VARS],
+        "mpirun_base": list(MPIRUN_BASE),
     }
 
 
@@ -205,7 +208,7 @@ def submit(script: str, cwd: str | Path | None = None) -> str:
         proc = subprocess.run(["sbatch", "--parsable"], input=script, text=True, capture_output=True,
                               cwd=cwd, timeout=120, check=False)
     except FileNotFoundError:
-        raise HvdkitError("sbatch not found", "run on a Slurm login node, or scripts/local-slurm.sh up") from None
+        raise HvdkitError("sbatch not found", "run on a Slurm login node, or scripts/local-cluster.sh up") from None
     if proc.returncode != 0:
         detail = (proc.stderr or proc.stdout).strip().splitlines()
         raise HvdkitError(f"sbatch refused the script: {detail[-1] if detail else proc.returncode}",

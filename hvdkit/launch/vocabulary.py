@@ -1,0 +1,71 @@
+"""Launch vocabulary: every flag and variable a launch line or job script needs, in one place.
+
+Local launch lines (:mod:`hvdkit.launch.local`), the sbatch templates in ``slurm/`` and
+the rank-side checks (:func:`hvdkit.environments.check_network_interface`) all read these
+names from here, so a change is made once. Pure data and small pure functions: importing
+this module must stay cheap (no torch, no horovod).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from ..errors import ConfigError
+
+__all__ = [
+    "MPIRUN_BASE", "FORWARDED_VARS", "IFACE_VAR", "iface_env", "check_iface_name",
+    "root_mpi_env", "ROOT_MPI_VARS",
+]
+
+# What Horovod's docs pass to mpirun: no binding (torch threads move freely), ranks by
+# slot, TCP only (no InfiniBand probing on machines without it).
+MPIRUN_BASE = ("-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib")
+
+# Open MPI refuses to run as root unless both are set (containers, this CI).
+ROOT_MPI_VARS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
+
+# hvdkit's record of --iface, checked on every rank before any communication starts.
+IFACE_VAR = "HVDKIT_IFACE"
+
+# Variables mpirun must pass on with -x when they are set (srun and horovodrun pass the
+# whole environment). OMPI_MCA_* need no -x: mpirun forwards those itself.
+FORWARDED_VARS = (
+    "PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT",
+    "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE",
+    "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", IFACE_VAR,
+)
+
+_IFACE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")
+
+
+def check_iface_name(iface: str) -> str:
+    """``iface`` if it can be a Linux interface name (``ib0``, ``eth1``), else a ConfigError."""
+    if not _IFACE.match(iface):
+        raise ConfigError(f"--iface {iface!r} is not a network interface name",
+                          "name one interface as 'ip -br link' on a compute node shows it, e.g. ib0")
+    return iface
+
+
+def iface_env(iface: str) -> dict[str, str]:
+    """Variables that pin every transport to interface ``iface``.
+
+    NCCL and Gloo (DDP), Horovod's Gloo controller, and Open MPI's TCP transport (BTL)
+    plus its out-of-band channel (mpirun's daemons) each have their own knob.
+    """
+    check_iface_name(iface)
+    return {
+        IFACE_VAR: iface,
+        "NCCL_SOCKET_IFNAME": f"={iface}",  # '=': exactly this name, not every name it prefixes
+        "GLOO_SOCKET_IFNAME": iface,
+        "HOROVOD_GLOO_IFACE": iface,
+        "OMPI_MCA_btl_tcp_if_include": iface,
+        "OMPI_MCA_oob_tcp_if_include": iface,
+    }
+
+
+def root_mpi_env() -> dict[str, str]:
+    """The two Open MPI root variables when this process is root, else nothing."""
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        return {name: "1" for name in ROOT_MPI_VARS}
+    return {}
