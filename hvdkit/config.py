@@ -24,6 +24,7 @@ __all__ = [
 BACKENDS = ("horovod", "ddp", "local")
 COMPRESSIONS = ("none", "fp16")
 HOROVOD_OPS = ("average", "sum", "adasum")
+HOROVOD_REDUCERS = ("bucketed", "stock")
 
 
 def _choice(what: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -44,8 +45,15 @@ class HorovodOptions:
     ``fusion_threshold_mb`` and ``cycle_time_ms`` map to ``HOROVOD_FUSION_THRESHOLD``
     (bytes) and ``HOROVOD_CYCLE_TIME`` and must be set before ``hvd.init()``;
     ``None`` keeps Horovod's defaults (128 MiB, 1 ms in 0.28). 0 MB turns fusion off.
+
+    ``reducer``: ``bucketed`` sends gradients in DDP-style buckets of ``bucket_cap_mb``
+    through Horovod's allreduce (:mod:`hvdkit.backends.buckets`); ``stock`` is
+    ``hvd.DistributedOptimizer`` itself, one allreduce per parameter. Adasum always
+    runs on the stock optimizer (it reduces tensor by tensor by design).
     """
 
+    reducer: str = "bucketed"
+    bucket_cap_mb: float = 25.0
     compression: str = "none"
     op: str = "average"
     gradient_predivide_factor: float = 1.0
@@ -58,6 +66,8 @@ class HorovodOptions:
     def __post_init__(self) -> None:
         _choice("compression", self.compression, COMPRESSIONS)
         _choice("horovod op", self.op, HOROVOD_OPS)
+        _choice("horovod reducer", self.reducer, HOROVOD_REDUCERS)
+        _positive("bucket_cap_mb", self.bucket_cap_mb)
         _positive("gradient_predivide_factor", self.gradient_predivide_factor)
         if self.op != "average" and self.gradient_predivide_factor != 1.0:
             raise ConfigError(

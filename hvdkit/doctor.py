@@ -124,6 +124,72 @@ def check_slurm() -> Check:
     return Check("slurm", code == 0, detail, fix, ("slurm",))
 
 
+_PROBE = ("import socket, sys\n"
+          "host = socket.gethostname()\n"
+          "try:\n"
+          "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10).close()\n"
+          "    print(host, 'ok', flush=True)\n"
+          "except OSError as exc:\n"
+          "    print(host, 'FAIL', exc, flush=True)\n")
+
+
+def check_allocation(environ: dict[str, str] | None = None) -> Check | None:
+    """Inside a Slurm allocation: nodes, tasks per node, and MASTER_ADDR seen from every node.
+
+    Rank 0's rendezvous fails late and vaguely when a node cannot resolve or reach
+    MASTER_ADDR (a firewall, a name only the login node knows), so doctor opens a TCP
+    listener here and has one task per node connect to MASTER_ADDR with ``srun``.
+    Run it in the batch script (on the job's first node), where rank 0 will run.
+    """
+    import socket
+    import threading
+
+    from .environments import expand_nodelist
+
+    env = dict(os.environ if environ is None else environ)
+    job, nodelist = env.get("SLURM_JOB_ID"), env.get("SLURM_JOB_NODELIST")
+    if not job or not nodelist:
+        return None
+    nodes = expand_nodelist(nodelist)
+    detail = (f"job {job}: {len(nodes)} node(s) {','.join(nodes)}, tasks per node "
+              f"{env.get('SLURM_TASKS_PER_NODE', '?')}")
+    master = env.get("MASTER_ADDR") or nodes[0]
+    try:
+        master_ip = socket.getaddrinfo(master, None, socket.AF_INET)[0][4][0]
+    except OSError as exc:
+        return Check("allocation", False, f"{detail}; MASTER_ADDR {master} does not resolve ({exc})",
+                     "export MASTER_ADDR to a name or address the compute nodes resolve", ("slurm",))
+    detail += f"; MASTER_ADDR {master} -> {master_ip}"
+    here = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
+    if master_ip not in here and master != socket.gethostname():
+        return Check("allocation", True, f"{detail} (not this host: reachability not probed)",
+                     "run 'hvdkit doctor' in the batch script to probe MASTER_ADDR from every node")
+    with socket.create_server(("", 0)) as server:
+        server.settimeout(1.0)
+        port = server.getsockname()[1]
+        stop = threading.Event()
+
+        def accept() -> None:
+            while not stop.is_set():
+                try:
+                    server.accept()[0].close()
+                except OSError:
+                    continue
+
+        threading.Thread(target=accept, daemon=True).start()
+        code, out = _cmd(["srun", "--overlap", f"--nodes={len(nodes)}", "--ntasks-per-node=1",
+                          "--mpi=none", sys.executable, "-c", _PROBE, master, str(port)], timeout=90)
+        stop.set()
+    answers = dict(line.split(" ", 1) for line in out.splitlines() if line.split(" ", 1)[0] in nodes)
+    bad = sorted(n for n in nodes if not answers.get(n, "").startswith("ok"))
+    if code != 0 or bad:
+        why = "; ".join(f"{n}: {answers.get(n, 'no answer')}" for n in bad) or out[-200:]
+        return Check("allocation", False, f"{detail}; NOT reachable from {why}",
+                     "check firewalls and that MASTER_ADDR names an interface every node can route to "
+                     "(or pick one with --iface)", ("slurm",))
+    return Check("allocation", True, f"{detail}; reachable from {', '.join(nodes)}")
+
+
 def check_gpus() -> Check:
     exe = shutil.which("nvidia-smi")
     if not exe:
@@ -143,8 +209,10 @@ CHECKS: tuple[Callable[[], Check], ...] = (check_python, check_torch, check_horo
 
 
 def run_checks() -> list[Check]:
-    """Every check, in order."""
-    return [check() for check in CHECKS]
+    """Every check, in order; inside a Slurm allocation also the allocation itself."""
+    checks = [check() for check in CHECKS]
+    allocation = check_allocation()
+    return checks + ([allocation] if allocation else [])
 
 
 def verdict(checks: list[Check]) -> tuple[bool, str]:

@@ -16,7 +16,12 @@ import sys
 from types import FrameType
 from typing import Any
 
-__all__ = ["PreemptionGuard", "requeue_slurm_job"]
+__all__ = ["PreemptionGuard", "requeue_slurm_job", "EXIT_PREEMPTED"]
+
+# Exit status of a run that stopped early on a signal (checkpoint saved) and was NOT
+# requeued: non-zero, so Slurm does not report COMPLETED for unfinished work.
+# 75 is EX_TEMPFAIL in sysexits.h: "try again later" (the checkpoint makes that cheap).
+EXIT_PREEMPTED = 75
 
 REQUEUE_SIGNALS = (signal.SIGUSR1,)
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import signal
 import socket
 import sys
@@ -49,6 +50,7 @@ class TrainResult:
     samples_per_sec: list[float] = field(default_factory=list)
     global_step: int = 0
     preempted: bool = False
+    requeued: bool = False  # preempted and Slurm accepted the requeue
     requeue: str = ""
     param_digest: str = ""
     ranks: list[str] = field(default_factory=list)
@@ -142,8 +144,12 @@ def is_peer_failure(exc: BaseException) -> bool:
 
 
 def _first_line(exc: BaseException) -> str:
+    """The first line of ``exc``, less a leading ``[source.cc:123]`` and generic advice."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return lines[0][:300] if lines else type(exc).__name__
+    if not lines:
+        return type(exc).__name__
+    line = re.sub(r"^\[[^\]]*\]\s*", "", lines[0])  # gloo/c10d prefix their source location
+    return line.split(" This is typically caused")[0][:300]
 
 
 def train_step(backend: Backend, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -306,9 +312,11 @@ def _report_preemption(cfg: TrainConfig, backend: Backend, guard: PreemptionGuar
     """After a checkpoint on signal: requeue under Slurm (USR1 only) and say what happened."""
     result.preempted, result.global_step = True, state.global_step
     requeue = backend.any_true(guard.should_requeue) and cfg.requeue
+    result.requeued = requeue  # rank 0 corrects it below if scontrol refused
     received = backend.allreduce_metric(guard.received or 0, op="max")
     if backend.is_master:
         result.requeue = requeue_slurm_job() if requeue else "not requeued"
+        result.requeued = result.requeue.startswith("requeued")
         log(f"preempted at step {state.global_step} by {signal.Signals(int(received)).name}; "
             f"{'checkpoint saved' if saved else 'no checkpoint dir'}; {result.requeue}")
 

@@ -5,6 +5,8 @@
 #   scripts/local-cluster.sh status            nodes, addresses, daemons and Slurm's view
 #   scripts/local-cluster.sh exec NODE -- CMD  run CMD "on" NODE (its hostname and network)
 #   scripts/local-cluster.sh pids NODE         PIDs of every process on NODE (its namespace)
+#   scripts/local-cluster.sh kill-node NODE     crash NODE: its slurmd, sshd and every task on it
+#   scripts/local-cluster.sh revive NODE        "reboot" NODE: slurmd and sshd again, node resumed
 #   scripts/local-cluster.sh down              stop everything it started, by recorded PID
 #
 # Each node is a Linux network namespace plus a UTS namespace (so `hostname` prints node1,
@@ -287,6 +289,47 @@ is_up() {
   sinfo -h >/dev/null 2>&1
 }
 
+start_node_daemons() {
+  local k="$1"
+  start "slurmd-node$k" nsenter -t "$(node_pid "node$k")" -n -u -- slurmd -D -N "node$k"
+  start "sshd-node$k" nsenter -t "$(node_pid "node$k")" -n -u -- /usr/sbin/sshd -D -e -f "$STATE/ssh/sshd_config"
+}
+
+node_index() {
+  if ! [[ "${1:-}" =~ ^node([1-9][0-9]*)$ ]] || [ "${BASH_REMATCH[1]}" -gt "$(nodes_count)" ]; then
+    die "no node '${1:-}' in this cluster; HINT: $0 status lists them"
+  fi
+  [ "$(mode)" = multi ] || die "kill-node/revive need the multi-node mode"
+  echo "${BASH_REMATCH[1]}"
+}
+
+# A node crash: every process in the node's namespace (slurmd, sshd, job steps, tasks) is
+# SIGKILLed by PID at once; the holder stays, so the node's hostname and links survive.
+kill_node() {
+  need_root kill-node
+  local k holder pid
+  k="$(node_index "$1")"
+  holder="$(node_pid "node$k")"
+  for pid in $(ip netns pids "hvk-node$k"); do
+    [ "$pid" = "$holder" ] || kill -KILL "$pid" 2>/dev/null || true
+  done
+  rm -f "$(pidfile "slurmd-node$k")" "$(pidfile "sshd-node$k")"
+  log "node$k crashed (all its processes killed); '$0 revive node$k' brings it back"
+}
+
+revive_node() {
+  need_root revive
+  local k
+  k="$(node_index "$1")"
+  alive "slurmd-node$k" || start_node_daemons "$k"
+  for _ in $(seq 1 60); do
+    scontrol update nodename="node$k" state=resume >/dev/null 2>&1 || true
+    sinfo -h -N -n "node$k" -o %t 2>/dev/null | grep -qE '^(idle|mix|alloc)' && { log "node$k is back"; return 0; }
+    sleep 1
+  done
+  die "node$k did not come back; see $STATE/log/slurmd-node$k.log"
+}
+
 up() {
   need_root up
   local n=2
@@ -330,10 +373,7 @@ up() {
   start slurmctld slurmctld -D -i
   sleep 1
   if [ "$(mode)" = multi ]; then
-    for k in $(seq 1 "$n"); do
-      start "slurmd-node$k" nsenter -t "$(node_pid "node$k")" -n -u -- slurmd -D -N "node$k"
-      start "sshd-node$k" nsenter -t "$(node_pid "node$k")" -n -u -- /usr/sbin/sshd -D -e -f "$STATE/ssh/sshd_config"
-    done
+    for k in $(seq 1 "$n"); do start_node_daemons "$k"; done
   else
     start slurmd slurmd -D
   fi
@@ -393,8 +433,10 @@ case "${1:-up}" in
     if [ $# -lt 3 ] || [ "$3" != "--" ]; then die "usage: $0 exec NODE -- CMD..."; fi
     node="$2"; shift 3
     in_node "$node" "$@" ;;
+  kill-node) kill_node "${2:-}" ;;
+  revive) revive_node "${2:-}" ;;
   pids)
     [ $# -eq 2 ] || die "usage: $0 pids NODE"
     ip netns pids "hvk-$2" ;;
-  *) echo "usage: $0 up [--nodes N] | status | exec NODE -- CMD | pids NODE | down" >&2; exit 2 ;;
+  *) echo "usage: $0 up [--nodes N] | status | exec NODE -- CMD | pids NODE | kill-node NODE | revive NODE | down" >&2; exit 2 ;;
 esac

@@ -54,8 +54,12 @@ fi
 
 # --- 3. Horovod, patched for C++17, cached as a wheel --------------------------
 PYTAG="$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
-WHEEL_DIR="$CACHE/wheels/horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-$PYTAG"
-if "$PY" - <<PYEOF 2>/dev/null
+# Patches applied to the sdist; part of the cache key and recorded in the venv, so a
+# change here rebuilds once and an older build is never mistaken for this one.
+HOROVOD_PATCHES="cxx17+gloo-iface"
+WHEEL_DIR="$CACHE/wheels/horovod-$HOROVOD_VERSION-$HOROVOD_PATCHES-torch$TORCH_VERSION-$PYTAG"
+PATCH_MARK="$VENV/.hvdkit-horovod-patches"
+if [ "$(cat "$PATCH_MARK" 2>/dev/null)" = "$HOROVOD_PATCHES" ] && "$PY" - <<PYEOF 2>/dev/null
 import sys, horovod, horovod.torch as hvd
 sys.exit(horovod.__version__ != "$HOROVOD_VERSION" or not hvd.gloo_built())
 PYEOF
@@ -72,6 +76,14 @@ else
     # PyTorch >= 2.1 headers require C++17; Horovod 0.28.1 pins C++14 in two places.
     sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
     grep -q 'CMAKE_CXX_STANDARD 17' "$SRC/horovod/torch/CMakeLists.txt"
+    # Horovod 0.28.1 bug: the Gloo contexts of process sets (the global process set carries
+    # every collective) build their TCP device from the new context's own, empty interface
+    # name instead of the global context's, so HOROVOD_GLOO_IFACE / horovodrun
+    # --network-interface are ignored for all data (found on the 2-node cluster: gradients
+    # went over eth0 with --iface eth1). Use the global context's interface.
+    GLOO_CTX="$SRC/horovod/common/gloo/gloo_context.cc"
+    sed -i '/^void GlooContext::InitializeForProcessSet/,/CreateDevice/ s/device_attr.iface = gloo_iface_;/gloo_iface_ = global_context.gloo_iface_;\n  device_attr.iface = gloo_iface_;/' "$GLOO_CTX"
+    grep -q 'gloo_iface_ = global_context.gloo_iface_;' "$GLOO_CTX"
     mkdir -p "$WHEEL_DIR"
     (cd "$SRC" && HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
       HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
@@ -82,6 +94,7 @@ else
   log "installing cached horovod wheel from $WHEEL_DIR"
   "${PIP[@]}" install --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl
   "${PIP[@]}" install cloudpickle psutil pyyaml cffi   # horovod's runtime deps
+  echo "$HOROVOD_PATCHES" >"$PATCH_MARK"
 fi
 
 # --- 4. mpi4py against the system MPI, then hvdkit ---------------------------------

@@ -87,3 +87,12 @@ def check(proc: subprocess.CompletedProcess) -> str:
 @pytest.fixture
 def launcher():
     return launch
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One loud line when the multi-node tests could not run (no namespaces on this machine)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    reasons = {str(r.longrepr[-1]) for r in skipped
+               if isinstance(r.longrepr, tuple) and "multi-node tests skipped" in str(r.longrepr[-1])}
+    for reason in sorted(reasons):
+        terminalreporter.write_line(f"!!! {reason.removeprefix('Skipped: ')} !!!", red=True, bold=True)

@@ -9,17 +9,15 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from slurmutil import VENV, final_loss, job_state, render, sbatch, wait_done
 
 from hvdkit.cli import cli
 
 pytestmark = [pytest.mark.slurm]
-VENV = sys.prefix
 TRAIN = ["--model", "cnn", "--epochs", "3", "--num-samples", "1024", "--batch-size", "32"]
 
 
@@ -27,47 +25,6 @@ TRAIN = ["--model", "cnn", "--epochs", "3", "--num-samples", "1024", "--batch-si
 def slurm_up():
     ok = shutil.which("sbatch") and subprocess.run(["sinfo", "-h"], capture_output=True).returncode == 0
     assert ok, "local Slurm is not running: run scripts/local-cluster.sh up (scripts/test.sh does)"
-
-
-def job_state(job: str) -> str:
-    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
-    m = re.search(r"JobState=(\w+)", out)
-    return m.group(1) if m else "UNKNOWN"
-
-
-def wait_done(job: str, timeout: float = 240, kick_requeued: bool = False) -> str:
-    """Poll until the job ends. ``kick_requeued`` waives Slurm's ~2 min requeue delay."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        state = job_state(job)
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-            return state
-        if kick_requeued and state == "PENDING":
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
-        time.sleep(1)
-    subprocess.run(["scancel", job])
-    raise AssertionError(f"job {job} still {job_state(job)} after {timeout}s")
-
-
-def render(tmp_path: Path, name: str, *args: str) -> Path:
-    script = tmp_path / f"{name}.sh"
-    result = CliRunner().invoke(cli, ["slurm", "--venv", VENV, "--time", "10:00", "-J", name,
-                                      "--output", str(tmp_path / f"{name}-%j.out"), "-o", str(script),
-                                      *args])
-    assert result.exit_code == 0, result.output
-    lint = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
-    assert lint.returncode == 0, lint.stdout
-    return script
-
-
-def sbatch(script: Path, cwd: Path) -> str:
-    proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, cwd=cwd)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip().split(";")[0]
-
-
-def final_loss(log: str) -> float:
-    return float(re.search(r"final_loss=(\S+)", log).group(1))
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from ..config import BackendConfig
 from ..environments import detect_environment
 from ..errors import BackendUnavailableError, HvdkitError, LauncherEnvError
 from .base import Backend
+from .buckets import bucketed_optimizer
 
 T = TypeVar("T")
 
@@ -90,9 +91,14 @@ class HorovodBackend(Backend):
 
     def topology(self) -> dict[str, Any]:
         """Adds Horovod's own view: ``cross_size`` (nodes), ``local_size`` (ranks per node)."""
-        return {**super().topology(), "cross_size": int(self.hvd.cross_size()),
+        return {**super().topology(), "reducer": self.reducer, "cross_size": int(self.hvd.cross_size()),
                 "local_size": int(self.hvd.local_size()),
                 "controller": "mpi" if self.hvd.mpi_enabled() else "gloo"}
+
+    @property
+    def reducer(self) -> str:
+        """The gradient reducer in use: Adasum reduces tensor by tensor, so it is always stock."""
+        return "stock" if self.config.horovod.op == "adasum" else self.config.horovod.reducer
 
     def _op(self) -> Any:
         return {"average": self.hvd.Average, "sum": self.hvd.Sum, "adasum": self.hvd.Adasum}[
@@ -105,15 +111,15 @@ class HorovodBackend(Backend):
         opts = self.config.horovod
         model = model.to(self.device)
         compression = self.hvd.Compression.fp16 if opts.compression == "fp16" else self.hvd.Compression.none
+        common = dict(named_parameters=list(model.named_parameters()), compression=compression,
+                      backward_passes_per_step=self.config.accumulation_steps, op=self._op(),
+                      gradient_predivide_factor=opts.gradient_predivide_factor)
         try:
-            dist_opt = self.hvd.DistributedOptimizer(
-                optimizer,
-                named_parameters=model.named_parameters(),
-                compression=compression,
-                backward_passes_per_step=self.config.accumulation_steps,
-                op=self._op(),
-                gradient_predivide_factor=opts.gradient_predivide_factor,
-            )
+            if self.reducer == "bucketed":
+                dist_opt = bucketed_optimizer(self.hvd, optimizer, bucket_cap_mb=opts.bucket_cap_mb,
+                                              **common)
+            else:
+                dist_opt = self.hvd.DistributedOptimizer(optimizer, **common)
         except ValueError as exc:
             raise HvdkitError(f"Horovod rejected the optimizer options: {exc}", "see hvdkit train --help") from None
         return model, dist_opt

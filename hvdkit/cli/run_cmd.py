@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from ..environments import check_network_interface
 from ..fileio import write_text_atomic
 from ..launch.local import (
     LocalLaunch,
@@ -18,8 +19,10 @@ from ..launch.local import (
     format_command,
     render_discovery_script,
     render_launch_script,
+    resolve_launcher,
     training_program,
 )
+from ..launch.vocabulary import IFACE_VAR, check_iface_name
 from .common import config_option, translate_errors
 
 
@@ -83,6 +86,9 @@ def shield_from_horovodrun(args: tuple[str, ...]) -> tuple[list[str], dict[str, 
               help="Write a discovery script for Slurm allocations (slurm/discover_hosts.sh) and exit.")
 @click.option("--slots", type=click.IntRange(min=1), default=1, show_default=True,
               help="Slots per host in the written discovery script.")
+@click.option("--iface", default=None,
+              help="Network interface for all traffic (Gloo, NCCL, Open MPI), e.g. ib0; must exist "
+                   "on this host and on every host of -H.")
 @click.option("--dry-run", is_flag=True, help="Print the command instead of running it.")
 @click.option("--write-script", type=click.Path(dir_okay=False), default=None,
               help="Write a standalone launch script (from slurm/mpirun.sh) instead of running.")
@@ -91,7 +97,8 @@ def shield_from_horovodrun(args: tuple[str, ...]) -> tuple[list[str], dict[str, 
 def run_command(np: int, backend: str, launcher: str, controller: str, hosts: str | None,
                 oversubscribe: bool | None, elastic: bool, min_np: int | None, max_np: int | None,
                 host_discovery_script: str | None, write_discovery_script: str | None, slots: int,
-                dry_run: bool, write_script: str | None, args: tuple[str, ...], **_: Any) -> None:
+                iface: str | None, dry_run: bool, write_script: str | None, args: tuple[str, ...],
+                **_: Any) -> None:
     """Run training on NP local ranks.
 
     ARGS are 'hvdkit train' options (e.g. --model mlp --epochs 3), or after
@@ -104,8 +111,10 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
     chosen = launcher if launcher != "auto" else ("horovodrun" if backend == "horovod" else "mpirun")
     if elastic and not host_discovery_script:
         raise click.UsageError("--elastic needs --host-discovery-script (write one with --write-discovery-script)")
+    if iface:  # the launcher itself talks over it too: catch a wrong name before anything starts
+        check_network_interface({IFACE_VAR: check_iface_name(iface)})
     spec = LocalLaunch(np=np, launcher=chosen, controller=controller, hosts=hosts,
-                       oversubscribe=oversubscribe,
+                       oversubscribe=oversubscribe, iface=iface,
                        min_np=(min_np or 1) if elastic else None, max_np=(max_np or np) if elastic else None,
                        discovery_script=host_discovery_script if elastic else None)
     if elastic and (not args or args[0].startswith("-")):
@@ -123,6 +132,7 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
         path = write_text_atomic(write_script, render_launch_script(argv, env, np), executable=True)
         click.echo(f"wrote {path}", err=True)
         return
+    argv[0] = resolve_launcher(argv[0])
     try:
         code = subprocess.call(argv, env={**os.environ, **env})
     except FileNotFoundError:

@@ -37,8 +37,11 @@ def build_job(o: dict[str, Any]) -> SlurmJob:
     if o["iface"]:
         env += sorted(iface_env(o["iface"]).items())
     python = "python" if (o["venv"] or o["conda_env"]) else sys.executable
+    args = tuple(o["args"])
+    if not o["requeue"] and not (args and not args[0].startswith("-")):
+        args += ("--no-requeue",)  # hvdkit train must not 'scontrol requeue' itself either
     return SlurmJob(
-        program=tuple(training_program(o["backend"], tuple(o["args"]), python)),
+        program=tuple(training_program(o["backend"], args, python)),
         backend=o["backend"], job_name=o["job_name"], nodes=o["nodes"],
         tasks_per_node=o["tasks_per_node"], gpus_per_node=o["gpus_per_node"],
         gpus_per_task=o["gpus_per_task"], cpus_per_task=o["cpus_per_task"], mem=o["mem"],

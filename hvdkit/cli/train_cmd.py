@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import click
@@ -24,6 +25,7 @@ def _opt(*decls: str, **kw: Any):  # noqa: ANN202 - click decorator
 def build_train_config(o: dict[str, Any]) -> TrainConfig:
     """Translate parsed ``hvdkit train`` options into a :class:`TrainConfig` (pure)."""
     hvd = HorovodOptions(
+        reducer=o["hvd_reducer"], bucket_cap_mb=o["bucket_cap_mb"],
         compression=o["compression"], op=o["hvd_op"],
         gradient_predivide_factor=o["predivide_factor"],
         fusion_threshold_mb=o["fusion_threshold_mb"], cycle_time_ms=o["cycle_time_ms"],
@@ -65,6 +67,9 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
 @_opt("--accumulation-steps", "--backward-passes-per-step", "accumulation_steps",
       type=click.IntRange(min=1), default=1, help="Micro-batches per optimizer step.")
 @_opt("--compression", type=click.Choice(["none", "fp16"]), default="none", help="Gradient compression.")
+@_opt("--hvd-reducer", type=click.Choice(["bucketed", "stock"]), default=_HVD["reducer"],
+      help="Horovod gradient reduction: DDP-style buckets through Horovod's allreduce, or "
+           "hvd.DistributedOptimizer itself (stock; always used for Adasum).")
 @_opt("--hvd-op", type=click.Choice(["average", "sum", "adasum"]), default="average", help="Horovod reduction.")
 @_opt("--predivide-factor", type=click.FloatRange(min=0, min_open=True), default=1.0,
       help="Horovod gradient_predivide_factor.")
@@ -75,7 +80,8 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
 @_opt("--stall-check-s", type=click.IntRange(min=0), default=None, help="HOROVOD_STALL_CHECK_TIME_SECONDS.")
 @_opt("--stall-shutdown-s", type=click.IntRange(min=0), default=None,
       help="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS.")
-@_opt("--bucket-cap-mb", type=click.FloatRange(min=0, min_open=True), default=_DDP["bucket_cap_mb"], help="DDP bucket size.")
+@_opt("--bucket-cap-mb", type=click.FloatRange(min=0, min_open=True), default=_DDP["bucket_cap_mb"],
+      help="Gradient bucket size in MiB, for DDP and the bucketed Horovod reducer.")
 @_opt("--gradient-as-bucket-view/--no-gradient-as-bucket-view", default=False)
 @_opt("--static-graph/--no-static-graph", default=False)
 @_opt("--broadcast-buffers/--no-broadcast-buffers", default=True, help="DDP buffer sync every forward.")
@@ -99,8 +105,13 @@ def train_command(**options: Any) -> None:
     if cfg.elastic:
         from ..elastic import train_elastic
 
-        train_elastic(cfg)
+        result = train_elastic(cfg)
     else:
         from ..train import train
 
-        train(cfg)
+        result = train(cfg)
+    if result is not None and result.preempted and not result.requeued:
+        from ..preemption import EXIT_PREEMPTED
+
+        # Unfinished work must not look COMPLETED to Slurm; the checkpoint is saved.
+        sys.exit(EXIT_PREEMPTED)

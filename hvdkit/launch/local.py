@@ -112,6 +112,21 @@ def build_local_command(
     return argv + list(program), env
 
 
+def resolve_launcher(name: str, python: str | None = None) -> str:
+    """Path of launcher ``name``: next to the interpreter first (a venv's horovodrun), then PATH.
+
+    ``.venv/bin/hvdkit run`` without an activated venv must still find the horovodrun
+    installed beside it, and the one matching this interpreter's Horovod.
+    """
+    import shutil
+    from pathlib import Path
+
+    beside = Path(python or sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which(name) or name
+
+
 def format_command(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str:
     """A copy-pasteable shell line for ``argv`` with ``env`` assignments in front."""
     prefix = [f"{k}={shlex.quote(v)}" for k, v in sorted((env or {}).items())]

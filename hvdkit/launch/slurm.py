@@ -180,7 +180,8 @@ def _context(job: SlurmJob, template: str) -> dict[str, Any]:
     directives += [(k, v) for k, v in optional if v is not None]
     if job.signal_seconds:
         directives.append(("signal", Raw(f"{job.signal}@{job.signal_seconds}")))
-    flags = (["--requeue"] if job.requeue else []) + [Raw(x) for x in job.extra_sbatch]
+    # explicit both ways: a site's JobRequeue=1 default would requeue a job that has neither
+    flags = (["--requeue"] if job.requeue else ["--no-requeue"]) + [Raw(x) for x in job.extra_sbatch]
     env = list(job.env)
     return {
         "job": job, "version": __version__, "template": template,

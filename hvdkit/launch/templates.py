@@ -45,7 +45,9 @@ def _finalize(value: Any) -> str:
         return str(value)
     if value is None:
         raise ConfigError("a template printed a missing value", "fix the template in slurm/")
-    return shlex.quote(str(value))
+    text = shlex.quote(str(value))
+    # '=eth1' needs no quotes for bash, but X==eth1 reads as a typo (shellcheck SC1097)
+    return f"'{text}'" if text.startswith("=") else text
 
 
 def template_dir(explicit: str | os.PathLike[str] | None = None) -> Path:

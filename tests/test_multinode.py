@@ -1,0 +1,286 @@
+"""Multi-node, for real: jobs across the namespaced nodes that scripts/local-cluster.sh makes.
+
+Each node is its own network + UTS namespace (hostname node1, node2, ...) with a
+management interface (eth0, where the hostnames resolve) and a fabric interface (eth1);
+ranks on different nodes share no hostname, no loopback and no shared-memory transport.
+scripts/test.sh brings the cluster up before pytest; where namespaces cannot be made it
+starts a single-node cluster instead and these tests are skipped, with one loud line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from slurmutil import (
+    CLUSTER,
+    cluster,
+    cluster_mode,
+    read_metrics,
+    render,
+    sbatch,
+    wait_done,
+    wait_for_text,
+)
+
+from hvdkit.cli import cli
+
+pytestmark = [pytest.mark.multinode, pytest.mark.slurm]
+
+# cnn: 4 epochs of 16 (world 4) or 32 (world 2) steps; long enough to signal mid-run
+TRAIN = ["--model", "cnn", "--epochs", "4", "--num-samples", "1024", "--batch-size", "16"]
+CNN_GRAD_BYTES = 545_098 * 4  # float32 gradients of SmallCNN, sent every step
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_nodes():
+    mode, nodes = cluster_mode()
+    if mode != "multi" or nodes < 2:
+        pytest.skip(f"multi-node tests skipped: the local cluster is mode={mode} with {nodes} "
+                    "node(s) (scripts/local-cluster.sh could not make namespaces here)")
+
+
+@pytest.fixture
+def nodes_restored():
+    """Whatever a test drains or crashes, every node is back (idle) afterwards."""
+    yield
+    for node in ("node1", "node2"):
+        cluster("revive", node)
+
+
+def veth_bytes(node: int, net: str) -> int:
+    """Bytes both ways on node ``node``'s link to bridge ``net`` ('m' mgmt, 'f' fabric)."""
+    stats = Path(f"/sys/class/net/hvk-n{node}-{net}/statistics")
+    return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
+
+
+def on_node(node: str, argv: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run ``argv`` on ``node`` (its hostname and network), as a user logged in there would."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for var in [k for k in env if k.startswith(("SLURM_", "OMPI_COMM_WORLD", "HOROVOD_", "MASTER_"))]:
+        env.pop(var)
+    return subprocess.run([str(CLUSTER), "exec", node, "--", *argv], capture_output=True, text=True,
+                          timeout=timeout, env=env, start_new_session=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1 + 2. sbatch across nodes: placement, MASTER_ADDR, cross_size, equal to one node; transports
+# ---------------------------------------------------------------------------------------------
+LAYOUTS = {  # name: (nodes, tasks per node); each 2-node layout has a 1-node twin of equal world
+    "2x1": (2, 1), "1x2": (1, 2), "2x2": (2, 2), "1x4": (1, 4),
+}
+TWIN = {"2x1": "1x2", "2x2": "1x4"}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    """Every layout for both backends, submitted together; metrics and logs keyed by (backend, layout)."""
+    tmp = tmp_path_factory.mktemp("layouts")
+    jobs = {}
+    for backend in ("ddp", "horovod"):
+        for name, (nodes, tpn) in LAYOUTS.items():
+            extra = []
+            if backend == "horovod" and name == "2x2":
+                # Open MPI names the transport it picks for every peer (bml lines)
+                extra = ["--env", "OMPI_MCA_btl_base_verbose=100"]
+            script = render(tmp, f"{backend}-{name}", "--backend", backend, "-N", str(nodes),
+                            "--tasks-per-node", str(tpn), "--results-dir", str(tmp / "res"), *extra,
+                            "--", *TRAIN)
+            jobs[backend, name] = (sbatch(script, tmp), script)
+    out = {}
+    for (backend, name), (job, _) in jobs.items():
+        log = tmp / f"{backend}-{name}-{job}.out"
+        assert wait_done(job, timeout=420) == "COMPLETED", log.read_text()[-4000:]
+        metrics = read_metrics(tmp / "res" / f"{backend}-{name}-{job}-0.json")
+        out[backend, name] = (metrics, log.read_text())
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["ddp", "horovod"])
+@pytest.mark.parametrize("layout", ["2x1", "2x2"])
+def test_two_nodes_match_one_node(layout_runs, backend, layout):
+    nodes, tpn = LAYOUTS[layout]
+    metrics, log = layout_runs[backend, layout]
+    placement, topo = metrics["placement"], metrics["topology"]
+    by_host: dict[str, list[int]] = {}
+    for p in placement:
+        by_host.setdefault(p["host"], []).append(p["local_rank"])
+    assert sorted(by_host) == ["node1", "node2"], placement          # two real hostnames
+    assert all(sorted(v) == list(range(tpn)) for v in by_host.values()), placement  # local ranks restart
+    assert placement[0]["host"] == "node1" and topo["master_addr"] == "node1", topo
+    assert topo["nodes"] == 2
+    if backend == "horovod":
+        assert topo["cross_size"] == 2 and topo["local_size"] == tpn, topo
+    assert metrics["params_identical"] is True
+    # Same world size and global batch on one node: the reduction order is the same (a
+    # 2-rank sum is commutative; 4 ranks keep their ring order whatever the node), and
+    # OMP_NUM_THREADS=1 in both, so the result is bitwise equal.
+    twin, twin_log = layout_runs[backend, TWIN[layout]]
+    assert twin["topology"]["nodes"] == 1 and twin["world_size"] == metrics["world_size"]
+    assert metrics["final_loss"] == twin["final_loss"], (log[-2000:], twin_log[-2000:])
+    assert metrics["param_digest"] == twin["param_digest"]
+
+
+@pytest.mark.timeout(600)
+def test_open_mpi_uses_tcp_between_nodes_and_shared_memory_within(layout_runs):
+    _, log = layout_runs["horovod", "2x2"]
+    # [node1:pid] mca: bml: Using tcp btl for send to [[job,1],2] on node node2
+    picks = re.findall(r"\[(node\d):\d+\] mca: bml: Using (\w+) btl for send to \S+ on node (node\d)", log)
+    assert picks, log[-3000:]
+    between = {btl for src, btl, dst in picks if src != dst}
+    within = {btl for src, btl, dst in picks if src == dst} - {"self"}
+    assert between == {"tcp"}, picks
+    assert within == {"vader"}, picks   # Open MPI's shared-memory transport
+
+
+# ---------------------------------------------------------------------------------------------
+# 3 + 6. Without Slurm: hvdkit run -H node1:1,node2:1 over ssh, pinned to the fabric interface
+# ---------------------------------------------------------------------------------------------
+RUNS = {
+    "horovodrun-gloo": ["--backend", "horovod", "--launcher", "horovodrun", "--controller", "gloo"],
+    "horovodrun-mpi": ["--backend", "horovod", "--launcher", "horovodrun", "--controller", "mpi"],
+    "mpirun-ddp": ["--backend", "ddp", "--launcher", "mpirun"],
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", sorted(RUNS))
+def test_hvdkit_run_across_hosts_on_the_fabric(tmp_path, kind):
+    metrics_file = tmp_path / "m.json"
+    before = {net: veth_bytes(2, net) for net in "mf"}
+    proc = on_node("node1", [sys.executable, "-m", "hvdkit", "run", "-np", "2", "-H", "node1:1,node2:1",
+                             "--iface", "eth1", *RUNS[kind], "--", "--model", "cnn", "--epochs", "1",
+                             "--num-samples", "512", "--batch-size", "16",
+                             "--metrics-file", str(metrics_file)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    delta = {net: veth_bytes(2, net) - before[net] for net in "mf"}
+    metrics = read_metrics(metrics_file)
+    assert sorted(p["host"] for p in metrics["placement"]) == ["node1", "node2"]
+    assert metrics["params_identical"] is True
+    # 16 steps, each sends and receives about one copy of the gradients over node2's link:
+    # all of that must be on the fabric; the management link carries only ssh and launch chatter.
+    assert delta["f"] > 16 * CNN_GRAD_BYTES, delta
+    assert delta["m"] < delta["f"] / 10, delta
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["ddp", "horovod"])
+def test_sbatch_iface_pins_traffic_to_the_fabric(tmp_path, backend):
+    script = render(tmp_path, f"iface-{backend}", "--backend", backend, "-N", "2", "--iface", "eth1",
+                    "--results-dir", str(tmp_path / "res"), "--", "--model", "cnn", "--epochs", "1",
+                    "--num-samples", "512", "--batch-size", "16")
+    before = {net: veth_bytes(2, net) for net in "mf"}
+    job = sbatch(script, tmp_path)
+    assert wait_done(job) == "COMPLETED", (tmp_path / f"iface-{backend}-{job}.out").read_text()[-3000:]
+    delta = {net: veth_bytes(2, net) - before[net] for net in "mf"}
+    assert delta["f"] > 16 * CNN_GRAD_BYTES, delta
+    assert delta["m"] < delta["f"] / 10, delta
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["ddp", "horovod"])
+def test_wrong_iface_fails_on_every_rank_in_one_line(tmp_path, backend):
+    script = render(tmp_path, f"badif-{backend}", "--backend", backend, "-N", "2", "--iface", "ib7",
+                    "--", "--model", "tiny", "--epochs", "1", "--num-samples", "64")
+    job = sbatch(script, tmp_path)
+    assert wait_done(job) == "FAILED"
+    log = (tmp_path / f"badif-{backend}-{job}.out").read_text()
+    errors = [ln for ln in log.splitlines() if "Error:" in ln]
+    assert errors and all("network interface 'ib7' (--iface) does not exist on node" in e for e in errors), log
+    assert "Traceback" not in log and "epoch" not in log, log   # failed before training started
+
+
+def test_hvdkit_run_refuses_a_missing_iface_at_once():
+    result = CliRunner().invoke(cli, ["run", "-np", "2", "-H", "node1:1,node2:1", "--iface", "ib7",
+                                      "--", "--model", "tiny"])
+    assert result.exit_code == 1
+    assert "network interface 'ib7' (--iface) does not exist" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Requeue onto another node; 5. a node dies mid-run
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.timeout(420)
+def test_requeue_resumes_on_another_node(tmp_path, layout_runs, nodes_restored):
+    subprocess.run(["scontrol", "update", "nodename=node2", "state=drain", "reason=hvdkit-test"],
+                   check=True, timeout=30)          # so the job must start on node1
+    script = render(tmp_path, "move", "--backend", "ddp", "--tasks-per-node", "2",
+                    "--checkpoint-dir", str(tmp_path / "ck"), "--results-dir", str(tmp_path / "res"),
+                    "--", *TRAIN)
+    job = sbatch(script, tmp_path)
+    log_path = tmp_path / f"move-{job}.out"
+    wait_for_text(log_path, "epoch 0 loss", job)
+    cluster("revive", "node2")
+    subprocess.run(["scontrol", "update", "nodename=node1", "state=drain", "reason=hvdkit-test"],
+                   check=True, timeout=30)          # node1 finishes this run but takes no new one
+    subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=30)
+    assert wait_done(job, kick_requeued=True, timeout=300) == "COMPLETED", log_path.read_text()[-3000:]
+    log = log_path.read_text()
+    starts = re.findall(r"\[sbatch\] job \d+ \(move\) on (node\d), 2 tasks, restart (\d)", log)
+    assert starts == [("node1", "0"), ("node2", "1")], log
+    assert re.search(r"preempted at step \d+ by SIGUSR1; checkpoint saved; requeued Slurm job", log)
+    assert re.search(r"resumed from .*ckpt-\d+\.h5", log)
+    metrics = read_metrics(next((tmp_path / "res").glob("*.json")))
+    assert {p["host"] for p in metrics["placement"]} == {"node2"}
+    reference, _ = layout_runs["ddp", "1x2"]             # the same run, never interrupted
+    assert metrics["final_loss"] == reference["final_loss"]
+    assert metrics["param_digest"] == reference["param_digest"]
+
+
+@pytest.mark.timeout(420)
+def test_node_death_ends_the_job_in_one_line_and_a_rerun_resumes(tmp_path, nodes_restored):
+    ck = tmp_path / "ck"
+    script = render(tmp_path, "crash", "--backend", "ddp", "-N", "2", "--no-requeue",
+                    "--checkpoint-dir", str(ck), "--", "--model", "cnn", "--epochs", "12",
+                    "--num-samples", "1024", "--batch-size", "16", "--checkpoint-every", "8")
+    job = sbatch(script, tmp_path)
+    log_path = tmp_path / f"crash-{job}.out"
+    wait_for_text(log_path, "epoch 1 loss", job)
+    killed_at = time.monotonic()
+    cluster("kill-node", "node2")
+    wait_for_text(log_path, "lost contact", job, timeout=60)
+    noticed = time.monotonic() - killed_at
+    state = wait_done(job, timeout=120)
+    log = log_path.read_text()
+    lost = [ln for ln in log.splitlines() if "lost contact" in ln]
+    assert len(lost) == 1 and "rank 0/2 (ddp) lost contact with rank 1 on node2" in lost[0], log
+    assert "HINT: rerun the job: it resumes from the last checkpoint" in lost[0]
+    assert "Traceback" not in log
+    assert noticed < 60 and state in ("FAILED", "NODE_FAIL"), (noticed, state)
+    show = subprocess.run([sys.executable, "-m", "hvdkit", "ckpt", "show", str(ck)],
+                          capture_output=True, text=True, timeout=60)
+    assert show.returncode == 0, show.stdout + show.stderr       # the last checkpoint is valid
+    cluster("revive", "node2")
+    rerun = sbatch(script, tmp_path)
+    assert wait_done(rerun, timeout=300) == "COMPLETED", (tmp_path / f"crash-{rerun}.out").read_text()[-3000:]
+    relog = (tmp_path / f"crash-{rerun}.out").read_text()
+    assert re.search(r"resumed from .*ckpt-\d+\.h5", relog) and "done: backend=ddp world=2" in relog
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. hvdkit doctor inside a 2-node allocation
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_doctor_in_a_two_node_allocation(tmp_path):
+    script = tmp_path / "doctor.sh"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=2 --time=5:00\n"
+        f"#SBATCH --output={tmp_path}/doctor-%j.out\nset -euo pipefail\n"
+        'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"\n'
+        f"export MASTER_ADDR\n{sys.executable} -m hvdkit doctor\n")
+    job = sbatch(script, tmp_path)
+    state = wait_done(job, timeout=200)
+    out = (tmp_path / f"doctor-{job}.out").read_text()
+    assert state == "COMPLETED", out
+    line = next(ln for ln in out.splitlines() if "allocation" in ln)
+    assert line.startswith("[ok  ] allocation"), out
+    assert "2 node(s) node1,node2, tasks per node 2(x2)" in line
+    assert "MASTER_ADDR node1 -> 10.233.1.1" in line and "reachable from node1, node2" in line
