@@ -22,6 +22,8 @@ __all__ = [
 ]
 
 BACKENDS = ("horovod", "ddp", "local")
+# the example models of hvdkit.models, named here so that validating a config needs no torch
+MODEL_NAMES = ("cnn", "mlp", "tiny")
 COMPRESSIONS = ("none", "fp16")
 HOROVOD_OPS = ("average", "sum", "adasum")
 HOROVOD_REDUCERS = ("bucketed", "stock")
@@ -182,9 +184,7 @@ class TrainConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
 
     def __post_init__(self) -> None:
-        from .models import MODELS  # local: models imports torch
-
-        _choice("model", self.model, tuple(MODELS))
+        _choice("model", self.model, MODEL_NAMES)
         _choice("optimizer", self.optimizer, ("sgd", "adam", "adamw"))
         for name in ("epochs", "batch_size", "num_samples"):
             if getattr(self, name) < 1:

@@ -91,6 +91,7 @@ def train_elastic(cfg: TrainConfig, log: Callable[[str], None] = _log) -> TrainR
     def on_reset() -> None:
         # The world changed: names, threads and everything derived from the size.
         backend.reset_collective_names()
+        backend.reset_reducer(optimizer)  # drop allreduces that died with the old ring
         backend.limit_cpu_threads()
         _elastic_log(f"reset: rank {hvd.rank()} of {hvd.size()} (host {os.environ.get('HOROVOD_HOSTNAME')}, "
                      f"pid {os.getpid()}), continuing from committed step {state.global_step}")

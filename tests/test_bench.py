@@ -10,7 +10,7 @@ import pytest
 
 from conftest import HVDKIT, base_env
 from hvdkit.bench.costmodel import allreduce_time, fit_alpha_beta, predict_scaling
-from hvdkit.bench.stats import summarize
+from hvdkit.bench.stats import ratio_ci, summarize
 
 
 def numbers(obj):
@@ -39,6 +39,16 @@ def test_summarize_and_cost_model():
     assert rows[1]["step_fused_s"] > rows[0]["step_fused_s"]
 
 
+def test_ratio_ci_brackets_the_ratio_of_medians():
+    a, b = [2.0 + 0.01 * i for i in range(50)], [1.0 + 0.01 * i for i in range(50)]
+    point, lo, hi = ratio_ci(a, b)
+    assert point == pytest.approx(2.245 / 1.245)
+    assert lo < point < hi and hi - lo < 0.3
+    assert ratio_ci(a, b) == ratio_ci(a, b)            # seeded: the same figures twice
+    same, lo2, hi2 = ratio_ci(b, b)
+    assert same == 1.0 and lo2 <= 1.0 <= hi2
+
+
 @pytest.mark.mp
 @pytest.mark.timeout(420)
 def test_quick_bench_tiny(tmp_path):
@@ -46,15 +56,24 @@ def test_quick_bench_tiny(tmp_path):
     proc = subprocess.run([*HVDKIT, "bench", "--quick", "--out", str(out), "--models", "mlp",
                            "--steps", "3", "--rounds", "1", "--sizes", "4096,65536", "--world-sizes", "1,2",
                            "--fusion-mb", "0,128", "--bucket-mb", "25", "--cycle-ms", "1,5",
-                           "--ckpt-params-m", "1", "--overhead-epochs", "2"],
+                           "--ckpt-params-m", "1", "--overhead-epochs", "2",
+                           "--only", "reducer,ab,fusion,scaling,allreduce,ckpt,overhead,model"],
                           env=base_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((out / "bench.json").read_text())
     assert set(data) == {"env", "config", "results", "summary", "targets"}
     assert data["env"]["torch"].startswith("2.13") and data["env"]["world_size"] == 2
-    for exp in ("ab", "fusion", "scaling", "allreduce", "ckpt", "overhead", "model"):
+    for exp in ("reducer", "ab", "fusion", "scaling", "allreduce", "ckpt", "overhead", "model"):
         assert exp in data["summary"], exp
         assert exp in data["results"] or exp == "model"
+    red = data["summary"]["reducer"][0]
+    assert red["model"] == "mlp" and red["floor_s"] > 0 and red["best"] in ("bucketed", "stock", "ddp")
+    for v in ("bucketed", "stock", "ddp"):
+        assert red[v]["n"] == 3 and red[v]["p25_s"] <= red[v]["median_s"] <= red[v]["p75_s"]
+        assert red[v]["cpu_s_per_step"] > 0
+    lo, hi = red["bucketed_over_ddp"]["ci95"]
+    assert lo <= red["bucketed_over_ddp"]["ratio"] <= hi
+    assert {b["variant"] for b in data["results"]["reducer"]["blocks"]} == {"bucketed", "stock", "ddp"}
     ab = data["summary"]["ab"][0]
     assert ab["model"] == "mlp" and ab["horovod_samples_s"]["median"] > 0 and ab["ddp_samples_s"]["median"] > 0
     assert {r["setting"] for r in data["summary"]["fusion"]["rows"]} >= {
@@ -73,3 +92,4 @@ def test_quick_bench_tiny(tmp_path):
         png = out / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     assert "Horovod vs DDP" in (out / "summary.md").read_text()
+    assert "Gradient reducers" in (out / "summary.md").read_text()

@@ -6,6 +6,7 @@ wrap the optimizer with ``named_parameters``, broadcast state from rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -139,12 +140,25 @@ class HorovodBackend(Backend):
                 bool(optimizer.state_dict()["state"]) if self.rank == root else None, root
             )
             if root_has_state:
-                hvd.broadcast_optimizer_state(optimizer, root_rank=root)
+                # A rank whose state is empty (a worker that just joined an elastic job)
+                # initialises it inside broadcast_optimizer_state with optimizer.step().
+                # Horovod skips the gradient allreduce there only for its own optimizer
+                # class; without skip_synchronize the bucketed reducer would start bucket
+                # allreduces on that rank alone and deadlock the job (seen on a grow).
+                skip = getattr(optimizer, "skip_synchronize", contextlib.nullcontext)
+                with skip():
+                    hvd.broadcast_optimizer_state(optimizer, root_rank=root)
         hvd.broadcast_parameters(model.state_dict(), root_rank=root)
 
     def reset_collective_names(self) -> None:
         """Restart the name counter; after an elastic reset every rank must agree again."""
         self._calls = 0
+
+    def reset_reducer(self, optimizer: torch.optim.Optimizer) -> None:
+        """After an elastic reset: rebuild the buckets (no handle of the old ring survives)."""
+        rebuild = getattr(optimizer, "rebuild_buckets", None)
+        if rebuild is not None:
+            rebuild()
 
     def _name(self, kind: str) -> str:
         # Horovod matches collectives across ranks by name. Its default name for

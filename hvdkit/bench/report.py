@@ -23,6 +23,29 @@ def render_tables(rep: Any) -> str:
     env, s = rep.env, rep.summary
     out = [f"Machine: {env['cpu']}, {env['cores']} cores, torch {env['torch']}, horovod {env['horovod']}, "
            f"GPUs: {', '.join(env['gpus']) or 'none'}; {env['date']}"]
+    hosts = s.get("reducer_hosts") or s.get("allreduce", {}).get("hosts") or []
+    if len(hosts) > 1:
+        out.append(f"Cross-node: ranks on {', '.join(hosts)}. If these are scripts/local-cluster.sh nodes, "
+                   "the 'network' is veth pairs between namespaces on ONE host (kernel memory copies, "
+                   "no NIC): read it as the cost of TCP and of leaving shared memory, not of a fabric.")
+    if "reducer" in s:
+        def ms(r: dict, v: str) -> str:
+            x = r[v]
+            return (f"{x['median_s'] * 1e3:.1f} [{x['p25_s'] * 1e3:.1f}-{x['p75_s'] * 1e3:.1f}] "
+                    f"cpu {x['cpu_s_per_step'] * 1e3:.0f} ({x['over_floor']:.2f}x floor)")
+
+        def ratio(x: dict) -> str:
+            return f"{x['ratio']:.3f} [{x['ci95'][0]:.3f}, {x['ci95'][1]:.3f}]"
+
+        out += ["", "### Gradient reducers: Horovod bucketed vs Horovod stock vs DDP (A/B/C blocks alternated)",
+                "step ms: median [IQR], CPU ms per step and rank; floor = 1-process compute + mpi4py "
+                "Allreduce of the gradient bytes, same run; ratios of median step time with bootstrap 95% CI",
+                _table(["model", "floor ms", "Horovod bucketed", "Horovod stock", "DDP",
+                        "bucketed / DDP", "stock / bucketed"],
+                       [[r["model"], f"{r['floor_s'] * 1e3:.1f} ({r['compute_s'] * 1e3:.1f} + "
+                         f"{r['mpi_allreduce_s'] * 1e3:.2f})", ms(r, "bucketed"), ms(r, "stock"), ms(r, "ddp"),
+                         ratio(r["bucketed_over_ddp"]), ratio(r["stock_over_bucketed"])]
+                        for r in s["reducer"]])]
     if "ab" in s:
         out += ["", "### Horovod vs DDP, equal settings (fusion = bucket = 25 MB), A/B alternating",
                 _table(["model", "Horovod samples/s (median ± 95%)", "DDP samples/s", "Horovod / DDP",
@@ -50,9 +73,10 @@ def render_tables(rep: Any) -> str:
         a = s["allreduce"]
         out += ["", f"### Allreduce bandwidth (world {a['world_size']}; GB/s; busbw = algbw x 2(n-1)/n)",
                 _table(["size", "Horovod algbw", "Horovod busbw", "torch gloo algbw", "torch gloo busbw",
-                        "memcpy"],
+                        "mpi4py busbw (floor)", "memcpy"],
                        [[_size(r["bytes"]), f"{r['horovod_algbw'] / 1e9:.3f}", f"{r['horovod_busbw'] / 1e9:.3f}",
                          f"{r['torch_algbw'] / 1e9:.3f}", f"{r['torch_busbw'] / 1e9:.3f}",
+                         f"{r['mpi_busbw'] / 1e9:.3f}",
                          f"{r['memcpy_algbw'] / 1e9:.2f}"] for r in a["rows"]])]
     if "ckpt" in s:
         c = s["ckpt"]

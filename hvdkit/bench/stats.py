@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["summarize", "environment", "Timer"]
+__all__ = ["summarize", "ratio_ci", "environment", "Timer"]
 
 
 def summarize(samples: list[float]) -> dict[str, float]:
@@ -26,8 +26,29 @@ def summarize(samples: list[float]) -> dict[str, float]:
 
     mean = statistics.fmean(ordered)
     std = statistics.stdev(ordered) if len(ordered) > 1 else 0.0
-    return {"median": q(0.5), "p10": q(0.1), "p90": q(0.9), "p95": q(0.95), "mean": mean,
+    return {"median": q(0.5), "p10": q(0.1), "p25": q(0.25), "p75": q(0.75), "p90": q(0.9),
+            "p95": q(0.95), "mean": mean,
             "ci95": 1.96 * std, "min": ordered[0], "max": ordered[-1], "n": len(ordered)}
+
+
+def ratio_ci(a: list[float], b: list[float], resamples: int = 2000, seed: int = 0,
+             level: float = 0.95) -> tuple[float, float, float]:
+    """median(a)/median(b) and its bootstrap percentile interval (resampling each side).
+
+    Steps are resampled independently, which treats them as exchangeable; the benchmark
+    alternates variants in blocks so slow drift of the machine falls on all of them.
+    """
+    import random
+
+    if not a or not b:
+        raise ValueError("no samples")
+    rng = random.Random(seed)
+    point = statistics.median(a) / statistics.median(b)
+    ratios = sorted(statistics.median(rng.choices(a, k=len(a))) / statistics.median(rng.choices(b, k=len(b)))
+                    for _ in range(resamples))
+    lo = ratios[int((1 - level) / 2 * resamples)]
+    hi = ratios[min(resamples - 1, int((1 + level) / 2 * resamples))]
+    return point, lo, hi
 
 
 def _cpu_model() -> str:

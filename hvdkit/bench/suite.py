@@ -26,9 +26,9 @@ from ..launch.local import LocalLaunch, build_local_command
 from ..models import build_model
 from .costmodel import fit_alpha_beta, predict_scaling
 from ..fileio import write_json_atomic as write_json
-from .stats import environment, summarize
+from .stats import environment, ratio_ci, summarize
 
-EXPERIMENTS = ("ab", "fusion", "scaling", "allreduce", "ckpt", "overhead", "model")
+EXPERIMENTS = ("reducer", "ab", "fusion", "scaling", "allreduce", "ckpt", "overhead", "model")
 MB = 1 << 20
 
 
@@ -57,13 +57,20 @@ class BenchConfig:
     overhead_epochs: int = 4
     overhead_samples: int = 2048
     predict_workers: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
+    hosts: str | None = None      # mpirun -H for the cross-node mode, e.g. node1:1,node2:1
+    reducer_steps: int = 50       # timed steps per block; x reducer_rounds per variant
+    reducer_rounds: int = 6
+    reducer_bucket_mb: float = 25.0
     timeout_s: float = 900.0
 
     @classmethod
     def quick(cls, **overrides: Any) -> BenchConfig:
-        base = dict(steps=20, rounds=2, sizes=tuple(4096 * 4**i for i in range(8)), reps_small=10,
-                    reps_large=3, ckpt_params_m=100.0, ckpt_rounds=2, overhead_rounds=2,
-                    overhead_epochs=3, overhead_samples=1024)
+        """The headline figures in under a minute on 2 cores: the reducer comparison with its
+        floor, and allreduce bandwidth up to 16 MB (``--only`` adds the rest, smaller)."""
+        base = dict(only=("reducer", "allreduce"), steps=20, rounds=2,
+                    sizes=tuple(4096 * 4**i for i in range(7)), reps_small=10, reps_large=3,
+                    ckpt_params_m=100.0, ckpt_rounds=2, overhead_rounds=2, overhead_epochs=3,
+                    overhead_samples=1024, reducer_steps=20, reducer_rounds=3)
         base.update(overrides)
         return cls(**base)
 
@@ -80,7 +87,9 @@ class Report:
 
 
 def _launch(cfg: BenchConfig, np: int, program: list[str]) -> None:
-    argv, env = build_local_command(LocalLaunch(np=np, launcher="mpirun"), program)
+    # --hosts spreads the ranks over nodes (run it on one of them); else all on this machine
+    hosts = cfg.hosts if np == cfg.np else None
+    argv, env = build_local_command(LocalLaunch(np=np, launcher="mpirun", hosts=hosts), program)
     proc = subprocess.run(argv, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, text=True,
                           capture_output=True, timeout=cfg.timeout_s)
     if proc.returncode != 0:
@@ -116,6 +125,53 @@ def _label(v: dict[str, Any]) -> str:
 
 
 # -- experiments ------------------------------------------------------------------
+
+def exp_reducer(cfg: BenchConfig, rep: Report) -> None:
+    """Horovod's bucketed reducer vs its stock optimizer vs DDP, against the same-run floor."""
+    spec = {"experiment": "reducer", "models": list(cfg.models), "rounds": cfg.reducer_rounds,
+            "batch": cfg.batch, "warmup": cfg.warmup, "steps": cfg.reducer_steps,
+            "bucket_mb": cfg.reducer_bucket_mb}
+    raw = _job(cfg, cfg.np, spec)
+    rep.results["reducer"] = raw
+    rows = []
+    for model in cfg.models:
+        steps = {v: [t for b in raw["blocks"] if b["model"] == model and b["variant"] == v
+                     for t in b["step_s"]] for v in ("bucketed", "stock", "ddp")}
+        cpu = {v: statistics.fmean(c for b in raw["blocks"] if b["model"] == model and b["variant"] == v
+                                   for c in b["cpu_s_per_step"]) for v in steps}
+        floor = raw["floor"][model]
+        rep.summary["reducer_hosts"] = sorted(set(raw["hosts"]))
+        floor_s = statistics.median(floor["compute_s"]) + statistics.median(floor["allreduce_s"])
+        best = min(steps, key=lambda v: statistics.median(steps[v]))
+        row = {"model": model, "floor_s": floor_s, "compute_s": statistics.median(floor["compute_s"]),
+               "mpi_allreduce_s": statistics.median(floor["allreduce_s"]), "grad_bytes": floor["grad_bytes"],
+               "best": best}
+        for v, ts in steps.items():
+            sm = summarize(ts)
+            row[v] = {"median_s": sm["median"], "p25_s": sm["p25"], "p75_s": sm["p75"], "n": sm["n"],
+                      "cpu_s_per_step": cpu[v], "over_floor": sm["median"] / floor_s}
+        for name, (a, b) in {"bucketed_over_ddp": ("bucketed", "ddp"),
+                             "stock_over_bucketed": ("stock", "bucketed"),
+                             "stock_over_ddp": ("stock", "ddp")}.items():
+            point, lo, hi = ratio_ci(steps[a], steps[b])
+            row[name] = {"ratio": point, "ci95": [lo, hi]}
+        rows.append(row)
+    rep.summary["reducer"] = rows
+    for r in rows:
+        b_d = r["bucketed_over_ddp"]
+        rep.targets.append({"target": f"bucketed Horovod step time <= 1.00x DDP, upper 95% <= 1.05x ({r['model']})",
+                            "value": f"{b_d['ratio']:.3f}x [{b_d['ci95'][0]:.3f}, {b_d['ci95'][1]:.3f}]",
+                            "met": b_d["ratio"] <= 1.0 and b_d["ci95"][1] <= 1.05})
+        if r["model"] == "mlp":
+            s_b = r["stock_over_bucketed"]
+            rep.targets.append({"target": "bucketed >= 1.3x faster than stock (mlp)",
+                                "value": f"{s_b['ratio']:.2f}x [{s_b['ci95'][0]:.2f}, {s_b['ci95'][1]:.2f}]",
+                                "met": s_b["ratio"] >= 1.3})
+        best = r[r["best"]]["over_floor"]
+        rep.targets.append({"target": f"fastest backend within 1.25x of the floor ({r['model']})",
+                            "value": f"{r['best']} {best:.2f}x floor ({r['floor_s'] * 1e3:.1f} ms)",
+                            "met": best <= 1.25})
+
 
 def exp_ab(cfg: BenchConfig, rep: Report) -> None:
     """Horovod vs DDP at equal settings (fusion threshold = bucket cap = 25 MB), A/B/A/B."""
@@ -208,14 +264,14 @@ def exp_allreduce(cfg: BenchConfig, rep: Report) -> None:
     rows = []
     for size in cfg.sizes:
         row: dict[str, Any] = {"bytes": size}
-        for lib in ("horovod", "torch", "memcpy"):
+        for lib in ("horovod", "torch", "memcpy", "mpi"):
             t = statistics.median(raw[lib][str(size)])
             algbw = size / t
             row[f"{lib}_s"] = t
             row[f"{lib}_algbw"] = algbw
             row[f"{lib}_busbw"] = algbw * 2 * (n - 1) / n if lib != "memcpy" else algbw
         rows.append(row)
-    rep.summary["allreduce"] = {"world_size": n, "rows": rows}
+    rep.summary["allreduce"] = {"world_size": n, "rows": rows, "hosts": sorted(set(raw["hosts"]))}
     at = next((r for r in rows if r["bytes"] == 64 * MB), rows[-1])
     ratio = at["horovod_busbw"] / at["torch_busbw"]
     rep.targets.append({"target": f"Horovod bus bandwidth >= 80% of torch gloo at {at['bytes'] // MB} MB",
@@ -291,7 +347,7 @@ def exp_model(cfg: BenchConfig, rep: Report) -> None:
 
 
 RUNNERS: dict[str, Callable[[BenchConfig, Report], None]] = {
-    "ab": exp_ab, "fusion": exp_fusion, "scaling": exp_scaling, "allreduce": exp_allreduce,
+    "reducer": exp_reducer, "ab": exp_ab, "fusion": exp_fusion, "scaling": exp_scaling, "allreduce": exp_allreduce,
     "ckpt": exp_ckpt, "overhead": exp_overhead, "model": exp_model,
 }
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +38,24 @@ def _ddp(opts: DDPOptions) -> Backend:
     return _DDP
 
 
-def _horovod(fusion_mb: float, cycle_ms: float | None) -> Backend:
+def _horovod(fusion_mb: float, cycle_ms: float | None, reducer: str = "bucketed",
+             bucket_mb: float = 25.0) -> Backend:
     """A fresh Horovod init. ``cycle_ms`` must stay None (Horovod's 1 ms) except in a job's
     first init: Horovod 0.28.1 crashes when re-initialised with HOROVOD_CYCLE_TIME set."""
     from ..backends.horovod import HorovodBackend
 
     return HorovodBackend(BackendConfig(name="horovod", horovod=HorovodOptions(
-        fusion_threshold_mb=fusion_mb, cycle_time_ms=cycle_ms)))
+        fusion_threshold_mb=fusion_mb, cycle_time_ms=cycle_ms, reducer=reducer,
+        bucket_cap_mb=bucket_mb)))
 
 
 def step_times(backend: Backend, model_name: str, batch: int, warmup: int, steps: int,
-               comm: Any) -> list[float]:
-    """Seconds per optimizer step (the slowest rank's, step by step), after ``warmup`` steps."""
+               comm: Any, cpu: list[float] | None = None) -> list[float]:
+    """Seconds per optimizer step (the slowest rank's, step by step), after ``warmup`` steps.
+
+    ``cpu``, when given, receives this process's CPU seconds per timed step (user + system,
+    all its threads: Horovod's background thread and gloo's included).
+    """
     timer = Timer()
     model = build_model(model_name, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
@@ -59,6 +66,8 @@ def step_times(backend: Backend, model_name: str, batch: int, warmup: int, steps
     y = torch.randint(0, MODELS[model_name].classes, (batch,), generator=gen).to(backend.device)
     times = []
     for i in range(warmup + steps):
+        if i == warmup:
+            c0 = time.process_time()
         t0 = timer.now()
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -66,6 +75,8 @@ def step_times(backend: Backend, model_name: str, batch: int, warmup: int, steps
         t1 = timer.now()
         if i >= warmup:
             times.append(t1 - t0)
+    if cpu is not None:
+        cpu.append((time.process_time() - c0) / steps)
     every = comm.allgather(times)
     return [max(col) for col in zip(*every)]
 
@@ -102,7 +113,10 @@ def run_allreduce(spec: dict[str, Any], comm: Any) -> dict[str, Any]:
     timer = Timer()
     ddp = _ddp(DDPOptions())
     device = ddp.device
-    results: dict[str, Any] = {"sizes": spec["sizes"], "horovod": {}, "torch": {}, "memcpy": {}}
+    import socket
+
+    results: dict[str, Any] = {"sizes": spec["sizes"], "horovod": {}, "torch": {}, "memcpy": {}, "mpi": {},
+                               "hosts": comm.allgather(socket.gethostname())}
     hvd_backend = _horovod(spec.get("fusion_mb", 128.0), None)
     hvd = hvd_backend.hvd  # type: ignore[attr-defined]
     for size in spec["sizes"]:
@@ -110,7 +124,9 @@ def run_allreduce(spec: dict[str, Any], comm: Any) -> dict[str, Any]:
         reps = spec["reps_small"] if size < (4 << 20) else spec["reps_large"]
         t = torch.ones(n, dtype=torch.float32, device=device)
         dst = torch.zeros_like(t)  # allocated and touched once: no page faults in the timing
-        samples: dict[str, list[float]] = {"horovod": [], "torch": [], "memcpy": []}
+        samples: dict[str, list[float]] = {"horovod": [], "torch": [], "memcpy": [], "mpi": []}
+        host_buf = t.cpu().numpy()
+        host_out = host_buf.copy()
         # Like nccl-tests: each sample times `iters` back-to-back operations, so
         # timer resolution and barrier skew do not dominate small messages.
         iters = spec.get("iters_small", 20) if size < (1 << 20) else 1
@@ -129,10 +145,16 @@ def run_allreduce(spec: dict[str, Any], comm: Any) -> dict[str, Any]:
             for _ in range(iters):
                 dst.copy_(t)
             t5 = timer.now()
+            comm.Barrier()
+            t6 = timer.now()
+            for _ in range(iters):  # the floor: the MPI library alone, no framework
+                comm.Allreduce(host_buf, host_out)
+            t7 = timer.now()
             if rep:
                 samples["horovod"].append((t1 - t0) / iters)
                 samples["torch"].append((t3 - t2) / iters)
                 samples["memcpy"].append((t5 - t4) / iters)
+                samples["mpi"].append((t7 - t6) / iters)
         for key, vals in samples.items():
             every = comm.allgather(vals)
             results[key][str(size)] = [max(col) for col in zip(*every)]
@@ -140,7 +162,71 @@ def run_allreduce(spec: dict[str, Any], comm: Any) -> dict[str, Any]:
     return results
 
 
-EXPERIMENTS = {"steps": run_steps, "allreduce": run_allreduce}
+def mpi_allreduce_times(numel: int, reps: int, comm: Any) -> list[float]:
+    """The floor's communication part: ``MPI_Allreduce`` of ``numel`` float32 via mpi4py."""
+    import numpy as np
+    from mpi4py import MPI
+
+    buf, out = np.ones(numel, dtype=np.float32), np.empty(numel, dtype=np.float32)
+    times = []
+    for rep in range(reps + 2):          # two warm-ups
+        comm.Barrier()
+        t0 = time.perf_counter()
+        comm.Allreduce(buf, out, op=MPI.SUM)
+        if rep >= 2:
+            times.append(time.perf_counter() - t0)
+    every = comm.allgather(times)
+    return [max(col) for col in zip(*every)]
+
+
+REDUCER_VARIANTS = ("bucketed", "stock", "ddp")
+
+
+def run_reducer(spec: dict[str, Any], comm: Any) -> dict[str, Any]:
+    """Horovod bucketed vs Horovod stock vs DDP, blocks alternated, plus the same-run floor.
+
+    Every variant runs ``rounds`` blocks of ``steps`` timed steps per model, in rotating
+    order (B S D, S D B, D B S, ...) so that drift in the machine hits all alike. The floor
+    is a single process doing the same step with no communication (compute), plus an
+    MPI_Allreduce of the model's gradient bytes through mpi4py (the wire, no framework).
+    """
+    import os
+    import socket
+
+    out: dict[str, Any] = {"blocks": [], "floor": {}, "hosts": comm.allgather(socket.gethostname())}
+    # the floor computes with the threads the backends will use: this node's cores shared
+    # among its ranks (Backend.limit_cpu_threads), not torch's default of all cores each
+    hosts = comm.allgather(socket.gethostname())
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, cores // hosts.count(socket.gethostname())))
+    out["threads"] = torch.get_num_threads()
+    for model in spec["models"]:
+        numel = sum(p.numel() for p in build_model(model).parameters())
+        compute = step_times(LocalBackend(BackendConfig()), model, spec["batch"], spec["warmup"],
+                             spec["steps"], comm)
+        wire = mpi_allreduce_times(numel, spec["steps"], comm)
+        out["floor"][model] = {"compute_s": compute, "allreduce_s": wire, "grad_bytes": 4 * numel}
+        for rnd in range(spec["rounds"]):
+            k = rnd % len(REDUCER_VARIANTS)
+            for variant in REDUCER_VARIANTS[k:] + REDUCER_VARIANTS[:k]:
+                cpu: list[float] = []
+                if variant == "ddp":
+                    backend = _ddp(DDPOptions(bucket_cap_mb=spec["bucket_mb"], broadcast_buffers=False))
+                    times = step_times(backend, model, spec["batch"], spec["warmup"], spec["steps"], comm, cpu)
+                else:
+                    backend = _horovod(spec["bucket_mb"], None, reducer=variant, bucket_mb=spec["bucket_mb"])
+                    try:
+                        times = step_times(backend, model, spec["batch"], spec["warmup"], spec["steps"],
+                                           comm, cpu)
+                    finally:
+                        backend.shutdown()
+                out["blocks"].append({"model": model, "round": rnd, "variant": variant, "step_s": times,
+                                      "cpu_s_per_step": comm.allgather(cpu[0])})
+    return out
+
+
+EXPERIMENTS = {"steps": run_steps, "allreduce": run_allreduce, "reducer": run_reducer}
 
 
 def main(argv: list[str]) -> None:

@@ -19,11 +19,14 @@ def _floats(text: str | None) -> tuple[float, ...] | None:
 
 
 @click.command("bench")
-@click.option("--quick", is_flag=True, help="Small sizes: about 3 minutes on 2 cores.")
+@click.option("--quick", is_flag=True, help="Reducer comparison + allreduce bandwidth, small: under a minute on 2 cores.")
 @click.option("--out", type=click.Path(file_okay=False), default="bench-results", show_default=True)
-@click.option("--only", default=None, help="Comma list of: ab,fusion,scaling,allreduce,ckpt,overhead,model.")
+@click.option("--only", default=None, help="Comma list of: reducer,ab,fusion,scaling,allreduce,ckpt,overhead,model.")
 @click.option("--models", default=None, help="Comma list of example models (default cnn,mlp).")
 @click.option("--np", "np", type=click.IntRange(min=2), default=2, show_default=True)
+@click.option("-H", "--hosts", default=None,
+              help="Cross-node mode: mpirun -H hosts for the reducer and allreduce runs (e.g. "
+                   "node1:1,node2:1); run it on one of them.")
 @click.option("--steps", type=click.IntRange(min=2), default=None, help="Timed steps per block.")
 @click.option("--rounds", type=click.IntRange(min=1), default=None, help="A/B rounds.")
 @click.option("--sizes", default=None, help="Allreduce sizes in bytes, comma list.")
@@ -38,7 +41,7 @@ def bench_command(quick: bool, out: str, only: str | None, models: str | None, *
     """Horovod vs DDP, fusion sweep, scaling, allreduce bandwidth, checkpoint I/O, cost model."""
     from ..bench.suite import EXPERIMENTS, BenchConfig, run_suite
 
-    overrides: dict[str, Any] = {"out": Path(out), "np": o["np"]}
+    overrides: dict[str, Any] = {"out": Path(out), "np": o["np"], "hosts": o["hosts"]}
     if only:
         overrides["only"] = tuple(x.strip() for x in only.split(","))
         bad = set(overrides["only"]) - set(EXPERIMENTS)
@@ -54,5 +57,8 @@ def bench_command(quick: bool, out: str, only: str | None, models: str | None, *
     for key in ("steps", "rounds", "ckpt_params_m", "overhead_epochs"):
         if o[key] is not None:
             overrides[key] = o[key]
+    for key in ("steps", "rounds"):  # the reducer experiment's blocks too, when given
+        if o[key] is not None:
+            overrides[f"reducer_{key}"] = o[key]
     cfg = BenchConfig.quick(**overrides) if quick else BenchConfig(**overrides)
     run_suite(cfg, log=click.echo)
