@@ -5,27 +5,37 @@ Everything public is re-exported here explicitly.
 
 __version__ = "0.1.0"
 
-from .backends import Backend, LocalBackend, create_backend
-from .checkpoint import (
-    CheckpointManager,
-    Snapshot,
-    TrainingState,
-    read_checkpoint,
-    verify_checkpoint,
-    write_checkpoint,
-)
-from .config import BackendConfig, DDPOptions, HorovodOptions, TrainConfig
-from .data import H5Dataset, ShardSampler, make_synthetic_h5, per_rank_batch_size
-from .environments import ClusterEnvironment, detect_environment, expand_nodelist
-from .errors import (
-    BackendUnavailableError,
-    CheckpointError,
-    ConfigError,
-    HvdkitError,
-    LauncherEnvError,
-)
-from .models import MODELS, build_model, synthetic_dataset
-from .train import TrainResult, train
+# Re-exports are resolved on first use (PEP 562), so that the CLI can render a job script
+# or read a checkpoint summary without importing torch (about 3 s on a busy login node).
+_EXPORTS = {
+    "Backend": "backends", "LocalBackend": "backends", "create_backend": "backends",
+    "CheckpointManager": "checkpoint", "Snapshot": "checkpoint", "TrainingState": "checkpoint",
+    "read_checkpoint": "checkpoint", "verify_checkpoint": "checkpoint", "write_checkpoint": "checkpoint",
+    "BackendConfig": "config", "DDPOptions": "config", "HorovodOptions": "config", "TrainConfig": "config",
+    "H5Dataset": "data", "ShardSampler": "data", "make_synthetic_h5": "data", "per_rank_batch_size": "data",
+    "ClusterEnvironment": "environments", "detect_environment": "environments",
+    "expand_nodelist": "environments",
+    "BackendUnavailableError": "errors", "CheckpointError": "errors", "ConfigError": "errors",
+    "HvdkitError": "errors", "LauncherEnvError": "errors",
+    "MODELS": "models", "build_model": "models", "synthetic_dataset": "models",
+    "TrainResult": "train", "train": "train",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hvdkit' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = [
     "__version__",

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
+from .config import MODEL_NAMES
+
 __all__ = ["SmallCNN", "ManyTensorsMLP", "ModelSpec", "MODELS", "build_model", "synthetic_dataset"]
 
 
@@ -83,6 +85,9 @@ MODELS: dict[str, ModelSpec] = {
     "mlp": ModelSpec(ManyTensorsMLP, (64,)),
     "tiny": ModelSpec(lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), (8,), 4),
 }
+
+
+assert tuple(sorted(MODELS)) == tuple(sorted(MODEL_NAMES)), "keep config.MODEL_NAMES in step with MODELS"
 
 
 def build_model(name: str, seed: int = 0) -> nn.Module:

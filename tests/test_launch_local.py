@@ -66,12 +66,14 @@ def test_run_executes_and_propagates_exit_code():
     assert proc.returncode != 0
 
 
-def test_options_horovodrun_would_swallow_travel_as_environment():
+def test_options_horovodrun_would_swallow_travel_as_environment(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("epochs: 1\n")   # read at generation too: a missing file is refused there
     result = CliRunner().invoke(cli, ["run", "--dry-run", "--model", "tiny", "--timeline", "/t/x.json",
-                                      "--fusion-threshold-mb", "4", "--config=c.yaml", "--stall-check-s", "9"])
+                                      "--fusion-threshold-mb", "4", f"--config={config}", "--stall-check-s", "9"])
     line = result.output
     assert "HVDKIT_TRAIN_TIMELINE=/t/x.json" in line and "HVDKIT_TRAIN_FUSION_THRESHOLD_MB=4" in line
-    assert "HVDKIT_TRAIN_CONFIG=c.yaml" in line and "HVDKIT_TRAIN_STALL_CHECK_S=9" in line
+    assert f"HVDKIT_TRAIN_CONFIG={config}" in line and "HVDKIT_TRAIN_STALL_CHECK_S=9" in line
     cmd = line.split("horovodrun", 1)[1]
     assert "--timeline" not in cmd and "--config" not in cmd and "--model tiny" in cmd
     ddp = CliRunner().invoke(cli, ["run", "--backend", "ddp", "--dry-run", "--timeline", "/t/x.json"]).output

@@ -284,3 +284,47 @@ def test_doctor_in_a_two_node_allocation(tmp_path):
     assert line.startswith("[ok  ] allocation"), out
     assert "2 node(s) node1,node2, tasks per node 2(x2)" in line
     assert "MASTER_ADDR node1 -> 10.233.1.1" in line and "reachable from node1, node2" in line
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Horovod Elastic across nodes: a node lost mid-run and added back
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.timeout(400)
+def test_elastic_across_nodes_survives_a_lost_node(tmp_path, nodes_restored):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node1:1\nnode2:1\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat '{hosts}'\n")
+    discover.chmod(0o755)
+    argv = [str(CLUSTER), "exec", "node1", "--", sys.executable, "-m", "hvdkit", "run", "--elastic",
+            "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(discover),
+            "--commit-every", "4", "--model", "mlp", "--epochs", "6", "--num-samples", "1024",
+            "--log-every", "1"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(argv, env=env, cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    log, phase, deadline = [], 0, time.time() + 300
+    try:
+        for line in proc.stdout:
+            log.append(line)
+            assert time.time() < deadline, "elastic run did not finish in time"
+            if phase == 0 and "commit at step 8 " in line:
+                hosts.write_text("node1:1\n")           # node2 leaves the discovery ...
+                cluster("kill-node", "node2")            # ... because it crashed, worker and all
+                phase = 1
+            elif phase == 1 and "reset: rank 0 of 1" in line:
+                cluster("revive", "node2")               # back after a "reboot"
+                hosts.write_text("node1:1\nnode2:1\n")
+                phase = 2
+        proc.wait(timeout=60)
+    finally:
+        os.killpg(proc.pid, 9) if proc.poll() is None else None
+        cluster("kill-node", "node2")                    # no stray worker left on node2
+    text = "".join(log)
+    assert proc.returncode == 0 and phase == 2, text[-4000:]
+    workers = set(re.findall(r"elastic worker rank \d+ of \d+ host (node\d)", text))
+    assert workers == {"node1", "node2"}, text[-3000:]
+    resets = re.findall(r"reset: rank 0 of (\d) ", text)
+    assert resets[:2] == ["1", "2"], resets
+    done = re.search(r"done: backend=horovod world=(\d) .*params_identical_on_all_ranks=True", text)
+    assert done and done.group(1) == "2", text[-3000:]

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from ..models import MODELS
+from ..config import MODEL_NAMES
 from .common import translate_errors
 
 
@@ -61,7 +61,7 @@ def data_group() -> None:
 
 @data_group.command("make-synthetic")
 @click.argument("path", type=click.Path(dir_okay=False))
-@click.option("--model", type=click.Choice(sorted(MODELS)), default="cnn", show_default=True)
+@click.option("--model", type=click.Choice(sorted(MODEL_NAMES)), default="cnn", show_default=True)
 @click.option("--num-samples", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--seed", type=int, default=1234, show_default=True)
 @translate_errors

@@ -24,6 +24,7 @@ from ..launch.local import (
 )
 from ..launch.vocabulary import IFACE_VAR, check_iface_name
 from .common import config_option, translate_errors
+from .validate import check_program, check_train_args, is_program
 
 
 def horovodrun_option_names() -> set[str]:
@@ -117,6 +118,10 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
                        oversubscribe=oversubscribe, iface=iface,
                        min_np=(min_np or 1) if elastic else None, max_np=(max_np or np) if elastic else None,
                        discovery_script=host_discovery_script if elastic else None)
+    if is_program(args):
+        check_program(args)
+    else:
+        check_train_args(args)  # before anything starts: horovodrun would only wait on it
     if elastic and (not args or args[0].startswith("-")):
         args = (*args, "--elastic")
     shielded: dict[str, str] = {}

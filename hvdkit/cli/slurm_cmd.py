@@ -15,6 +15,7 @@ from ..launch.local import training_program
 from ..launch.vocabulary import iface_env
 from ..launch.slurm import SLURM_LAUNCHERS, SRUN_MPI, SlurmJob, render_sbatch, submit
 from .common import config_option, translate_errors
+from .validate import check_array_params, check_program, check_train_args, is_program
 
 
 def _pairs(values: tuple[str, ...], what: str) -> tuple[tuple[str, str], ...]:
@@ -84,8 +85,8 @@ def build_job(o: dict[str, Any]) -> SlurmJob:
 @click.option("--cycle-time-ms", type=click.FloatRange(min=0, min_open=True), default=None, help="HOROVOD_CYCLE_TIME.")
 @click.option("--iface", default=None, help="Network interface for NCCL/Gloo/Horovod (e.g. ib0).")
 @click.option("--launcher", type=click.Choice(SLURM_LAUNCHERS), default="srun", show_default=True)
-@click.option("--srun-mpi", type=click.Choice(SRUN_MPI), default="pmix", show_default=True,
-              help="srun --mpi plugin for Horovod (DDP needs none).")
+@click.option("--srun-mpi", type=click.Choice(SRUN_MPI), default=None,
+              help="srun --mpi plugin for Horovod [default: pmix]; DDP needs none.")
 @click.option("--process-group", type=click.Choice(["gloo", "nccl"]), default=None,
               help="Only to validate DDP GPU requests; the training picks it automatically.")
 @click.option("--signal", default="USR1", show_default=True, help="Signal sent before the time limit.")
@@ -113,7 +114,15 @@ def slurm_command(**o: Any) -> None:
                  if k not in ("print_config", "submit", "out")}
         click.echo(yaml.safe_dump(shown, sort_keys=True), nl=False)
         return
+    args = tuple(o["args"])
+    # everything the nodes would trip over, checked now: nothing is written when one fails
+    if is_program(args):
+        check_program(args, o["venv"])
+    else:
+        check_train_args(args)
     try:
+        if o["array"] and o["array_params"]:
+            check_array_params(o["array"], o["array_params"], train_options=not is_program(args))
         job = build_job(o)
         text = render_sbatch(job, Path(o["template_dir"]) if o["template_dir"] else None)
     except ConfigError as exc:

@@ -8,8 +8,7 @@ from typing import Any
 
 import click
 
-from ..config import BACKENDS, BackendConfig, DDPOptions, HorovodOptions, TrainConfig
-from ..models import MODELS
+from ..config import BACKENDS, MODEL_NAMES, BackendConfig, DDPOptions, HorovodOptions, TrainConfig
 from .common import config_option, translate_errors
 
 _TRAIN = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
@@ -46,7 +45,7 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
 @click.command("train")
 @config_option
 @_opt("--backend", type=click.Choice(BACKENDS), default="local", help="Data-parallel backend.")
-@_opt("--model", type=click.Choice(sorted(MODELS)), default=_TRAIN["model"], help="Example model.")
+@_opt("--model", type=click.Choice(sorted(MODEL_NAMES)), default=_TRAIN["model"], help="Example model.")
 @_opt("--epochs", type=click.IntRange(min=1), default=_TRAIN["epochs"])
 @_opt("--steps-per-epoch", type=click.IntRange(min=1), default=None, help="Cap on optimizer steps per epoch.")
 @_opt("--max-steps", type=click.IntRange(min=1), default=None,

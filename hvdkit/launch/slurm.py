@@ -21,15 +21,38 @@ from ..errors import ConfigError, HvdkitError
 from .templates import Raw, check_env_name, render_template, template_dir
 from .vocabulary import FORWARDED_VARS, MPIRUN_BASE
 
-__all__ = ["SlurmJob", "render_sbatch", "submit", "parse_time", "SRUN_MPI", "SLURM_LAUNCHERS"]
+__all__ = ["SlurmJob", "render_sbatch", "submit", "parse_time", "array_indices", "SRUN_MPI",
+           "SLURM_LAUNCHERS"]
 
 SRUN_MPI = ("pmix", "pmi2", "none")
 SLURM_LAUNCHERS = ("srun", "mpirun", "horovodrun")
 _NAME_LIST = re.compile(r"^[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*$")
 _MEM = re.compile(r"^\d+(\.\d+)?[KMGT]?$")
-_ARRAY = re.compile(r"^\d+(-\d+)?(:\d+)?(,\d+(-\d+)?(:\d+)?)*(%\d+)?$")
+_ARRAY_ITEM = re.compile(r"^(\d+)(?:-(\d+))?(?::(\d+))?$")
 _EXTRA = re.compile(r"^--?[A-Za-z][A-Za-z0-9-]*(=\S.*)?$")
 _SIGNAL = re.compile(r"^(B:)?(USR1|USR2|TERM|INT|HUP)$")
+
+
+def array_indices(spec: str) -> list[int]:
+    """The task indices of a Slurm ``--array`` spec (``0-15%4``, ``1,3,5-9:2``); ConfigError if bad."""
+    body, _, limit = spec.partition("%")
+    if "%" in spec and (not limit.isdigit() or int(limit) < 1):
+        raise ConfigError(f"--array {spec!r}: the %limit must be a whole number >= 1",
+                          "e.g. 0-15%4 runs at most 4 tasks at once")
+    out: list[int] = []
+    for item in body.split(","):
+        m = _ARRAY_ITEM.match(item)
+        if not m:
+            raise ConfigError(f"--array {spec!r} is not a Slurm array spec", "use e.g. 0-2 or 0-15%4")
+        lo, hi, step = int(m.group(1)), int(m.group(2) or m.group(1)), int(m.group(3) or 1)
+        if hi < lo:
+            raise ConfigError(f"--array {spec!r}: range {lo}-{hi} runs backwards", f"write {hi}-{lo}")
+        if step < 1:
+            raise ConfigError(f"--array {spec!r}: a step must be >= 1", "e.g. 0-10:2")
+        out.extend(range(lo, hi + 1, step))
+    if len(set(out)) != len(out):
+        raise ConfigError(f"--array {spec!r} names a task twice", "list each index once")
+    return sorted(out)
 
 
 def parse_time(value: str) -> int:
@@ -91,7 +114,7 @@ class SlurmJob:
     extra_sbatch: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     launcher: str = "srun"
-    srun_mpi: str = "pmix"
+    srun_mpi: str | None = None   # None: pmix for Horovod, none for DDP
     signal: str = "USR1"
     signal_seconds: int | None = 90
     requeue: bool = True
@@ -129,16 +152,19 @@ class SlurmJob:
             raise ConfigError(f"--mem {self.mem!r} is not a Slurm memory size", "use e.g. 16G or 4000M")
         if self.launcher not in SLURM_LAUNCHERS:
             raise ConfigError(f"--launcher {self.launcher!r} is not known", f"use {', '.join(SLURM_LAUNCHERS)}")
-        if self.srun_mpi not in SRUN_MPI:
+        if self.srun_mpi is not None and self.srun_mpi not in SRUN_MPI:
             raise ConfigError(f"--srun-mpi {self.srun_mpi!r} is not known", f"use {', '.join(SRUN_MPI)}")
+        if self.backend == "ddp" and self.srun_mpi not in (None, "none"):
+            raise ConfigError(f"--srun-mpi {self.srun_mpi} with --backend ddp: DDP meets rank 0 over TCP "
+                              "and starts no MPI", "drop --srun-mpi (it is for Horovod under srun)")
         if self.backend == "ddp" and self.launcher == "horovodrun":
             raise ConfigError("horovodrun cannot launch the DDP backend", "use --launcher srun or mpirun")
         if not _SIGNAL.match(self.signal):
             raise ConfigError(f"--signal {self.signal!r} is not supported", "use USR1 (or B:USR1, USR2, TERM)")
         if self.signal_seconds is not None and not 1 <= self.signal_seconds <= 65535:
             raise ConfigError("--signal-seconds must be in 1..65535", "Slurm sends the signal this early")
-        if self.array is not None and not _ARRAY.match(self.array):
-            raise ConfigError(f"--array {self.array!r} is not a Slurm array spec", "use e.g. 0-2 or 0-15%4")
+        if self.array is not None:
+            array_indices(self.array)
         if self.array_params and not self.array:
             raise ConfigError("--array-params needs --array", "add --array 0-(lines-1)")
         for key, _ in self.env:
@@ -190,7 +216,7 @@ def _context(job: SlurmJob, template: str) -> dict[str, Any]:
         "exports": [(Raw(k), v) for k, v in env],
         "activate": f"{job.venv.rstrip('/')}/bin/activate" if job.venv else None,
         "gpus": job.gpus_per_node > 0 or bool(job.gpus_per_task),
-        "srun_mpi": Raw(job.srun_mpi if job.backend == "horovod" else "none"),
+        "srun_mpi": Raw(job.srun_mpi or ("pmix" if job.backend == "horovod" else "none")),
         "launcher": job.launcher,
         "forwarded": [Raw(v) for v in FORWARDED_VARS],
         "mpirun_base": list(MPIRUN_BASE),

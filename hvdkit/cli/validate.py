@@ -1,0 +1,94 @@
+"""Checks made when a launch line or job script is generated, so mistakes never wait in a queue.
+
+Everything here is torch-free and fast: the training options are parsed by ``hvdkit train``'s
+own click parser and typed config, the program after ``--`` is looked up, and array
+specifications and their parameter files are checked against each other.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import click
+
+from ..errors import ConfigError
+from ..launch.slurm import array_indices
+
+__all__ = ["check_program", "check_train_args", "check_array_params", "is_program"]
+
+# Slurm's own spellings that users type after '--' out of habit: where they belong instead
+SLURM_SPELLINGS = {
+    "--ntasks-per-node": "--tasks-per-node", "--ntasks": "-N and --tasks-per-node",
+    "--nodes": "-N/--nodes", "--gres": "--gpus-per-node", "--gpus": "--gpus-per-node",
+    "--cpus-per-task": "-c/--cpus-per-task", "--partition": "-p/--partition",
+    "--account": "-A/--account", "--time": "-t/--time", "--mem": "--mem",
+}
+
+
+def is_program(args: Sequence[str]) -> bool:
+    """True when ``args`` name a program of the user's (not options for ``hvdkit train``)."""
+    return bool(args) and not args[0].startswith("-")
+
+
+def check_train_args(args: Sequence[str], where: str = "after '--'") -> None:
+    """Parse ``args`` exactly as ``hvdkit train`` will on the nodes; raise a UsageError now."""
+    from .train_cmd import build_train_config, train_command
+
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        if name in SLURM_SPELLINGS:
+            raise click.UsageError(
+                f"{name} {where} would be passed to training, which has no such option. "
+                f"HINT: it is a scheduler option: use hvdkit's {SLURM_SPELLINGS[name]} before '--'")
+    try:
+        ctx = train_command.make_context("hvdkit train", list(args), resilient_parsing=False)
+        build_train_config(ctx.params)
+    except click.UsageError as exc:
+        raise click.UsageError(f"training option {where}: {exc.format_message().rstrip('.')}. "
+                               "HINT: see 'hvdkit train --help'") from None
+    except ConfigError as exc:
+        raise click.UsageError(f"training option {where}: {exc}") from None
+
+
+def check_program(args: Sequence[str], venv: str | None = None) -> None:
+    """A program after ``--`` must exist and be runnable as written, here and so on the nodes."""
+    exe = args[0]
+    if "/" in exe or exe.endswith(".py"):
+        path = Path(exe)
+        if not path.exists():
+            raise click.UsageError(f"program {exe} does not exist (relative to {os.getcwd()}). "
+                                   "HINT: give a path the compute nodes can see")
+        if not os.access(path, os.X_OK):
+            raise click.UsageError(f"program {exe} is not executable. HINT: put the interpreter "
+                                   f"in front (-- python {exe} ...) or chmod +x it")
+        return
+    found = shutil.which(exe) or (venv and (Path(venv) / "bin" / exe).is_file())
+    if not found:
+        raise click.UsageError(f"program {exe!r} is not on PATH here"
+                               + (f" nor in {venv}/bin" if venv else "")
+                               + ". HINT: give its full path, or load what provides it")
+
+
+def check_array_params(spec: str, params_file: str, train_options: bool) -> list[str]:
+    """The parameter file exists, has a line for every task index (line i+1 = task i) and
+    no more, and, for ``hvdkit train``, every line parses as training options."""
+    indices = array_indices(spec)
+    path = Path(params_file)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"--array-params {params_file}: {exc.strerror}",
+                          "give an existing file, one line of options per array task") from None
+    if len(lines) != max(indices) + 1:
+        raise ConfigError(f"--array-params {params_file} has {len(lines)} line(s) but --array {spec} "
+                          f"needs {max(indices) + 1} (line i+1 holds task i's options)",
+                          "make the file and the array agree")
+    if train_options:
+        import shlex
+
+        for i in indices:
+            check_train_args(shlex.split(lines[i]), where=f"on line {i + 1} of {params_file}")
+    return lines
