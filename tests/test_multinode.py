@@ -62,7 +62,8 @@ def veth_bytes(node: int, net: str) -> int:
 
 def on_node(node: str, argv: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
     """Run ``argv`` on ``node`` (its hostname and network), as a user logged in there would."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # the "nodes" share this machine's cores: one thread per rank, as --cpus-per-task 1 gives jobs
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     for var in [k for k in env if k.startswith(("SLURM_", "OMPI_COMM_WORLD", "HOROVOD_", "MASTER_"))]:
         env.pop(var)
     return subprocess.run([str(CLUSTER), "exec", node, "--", *argv], capture_output=True, text=True,
@@ -298,9 +299,10 @@ def test_elastic_across_nodes_survives_a_lost_node(tmp_path, nodes_restored):
     discover.chmod(0o755)
     argv = [str(CLUSTER), "exec", "node1", "--", sys.executable, "-m", "hvdkit", "run", "--elastic",
             "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(discover),
-            "--commit-every", "4", "--model", "mlp", "--epochs", "6", "--num-samples", "1024",
+            "--blacklist-cooldown-range", "1", "2",   # node2 may rejoin once it is back
+            "--commit-every", "4", "--model", "mlp", "--epochs", "12", "--num-samples", "2048",
             "--log-every", "1"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # nodes share the cores
     proc = subprocess.Popen(argv, env=env, cwd=tmp_path, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     log, phase, deadline = [], 0, time.time() + 300

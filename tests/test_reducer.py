@@ -23,15 +23,19 @@ def test_bucket_plan_is_what_the_docstring_says():
         ("c", nn.Parameter(torch.zeros(3 * MiB // 4))),
         ("d", nn.Parameter(torch.zeros(MiB // 8, dtype=torch.float16))),
     ]
-    plan = plan_buckets(params, cap_bytes=2 * MiB)
-    # reverse registration order; the first bucket is capped at 1 MiB (DDP's first bucket),
-    # a dtype change closes a bucket, c (3 MiB) exceeds the cap and is alone, frozen is absent
-    assert [b.names for b in plan] == [("d",), ("c",), ("b", "a")]
-    assert [b.dtype for b in plan] == [torch.float16, torch.float32, torch.float32]
-    assert [b.nbytes for b in plan] == [MiB // 4, 3 * MiB, MiB // 2 + MiB]
-    assert plan[2].offsets == (0, MiB // 8) and plan[2].numel == MiB // 8 + MiB // 4
-    assert [b.index for b in plan] == [0, 1, 2]
+    plan = plan_buckets(params, cap_bytes=4 * MiB)
+    # reverse registration order; a dtype change closes a bucket (d is fp16); c (3 MiB) and
+    # a (1 MiB) are >= 1 MiB, so each goes alone even though the 4 MiB cap would hold more;
+    # frozen is absent
+    assert [b.names for b in plan] == [("d",), ("c",), ("b",), ("a",)]
+    assert [b.dtype for b in plan] == [torch.float16] + [torch.float32] * 3
+    assert [b.nbytes for b in plan] == [MiB // 4, 3 * MiB, MiB // 2, MiB]
+    assert [b.index for b in plan] == [0, 1, 2, 3]
     assert FIRST_BUCKET_BYTES == MiB
+    small = [(f"s{i}", nn.Parameter(torch.zeros(1000))) for i in range(3)]     # 4 KB each
+    mixed = plan_buckets([small[0], ("big", nn.Parameter(torch.zeros(MiB))), *small[1:]], 4 * MiB)
+    assert [b.names for b in mixed] == [("s2", "s1"), ("big",), ("s0",)]
+    assert mixed[0].offsets == (0, 1000) and mixed[0].numel == 2000
 
 
 def test_bucket_plan_caps_and_first_bucket():

@@ -72,8 +72,12 @@ def plan_buckets(named_parameters: Iterable[tuple[str, torch.Tensor]], cap_bytes
       first, so the first bucket fills (and its allreduce starts) first.
     * A bucket is closed when adding the next parameter would pass its cap (``cap_bytes``;
       ``min(first_cap_bytes, cap_bytes)`` for the first bucket), and when the dtype changes
-      (one flat buffer holds one dtype). A parameter larger than the cap gets a bucket of
-      its own. No parameter is ever split.
+      (one flat buffer holds one dtype). No parameter is ever split.
+    * Unlike DDP, a parameter of ``first_cap_bytes`` (1 MiB) or more always gets a bucket of
+      its own: its size already amortises the per-message cost, and sharing a bucket would
+      hold its allreduce back until the bucket's last gradient arrives. Measured on the CNN
+      example (a 2 MiB linear weight whose bucket-mates were the conv layers, last in
+      backward): without this the bucketed reducer was 6% slower than the stock optimizer.
     """
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be > 0 bytes, got {cap_bytes}")
@@ -94,12 +98,15 @@ def plan_buckets(named_parameters: Iterable[tuple[str, torch.Tensor]], cap_bytes
     for name, p in reversed(trainable):
         nbytes = p.numel() * p.element_size()
         cap = min(first_cap_bytes, cap_bytes) if not buckets else cap_bytes
-        if names and (p.dtype != dtype or size + nbytes > cap):
+        alone = nbytes >= first_cap_bytes
+        if names and (alone or p.dtype != dtype or size + nbytes > cap):
             close()
         dtype = p.dtype
         names.append(name)
         numels.append(p.numel())
         size += nbytes
+        if alone:
+            close()
     close()
     return buckets
 

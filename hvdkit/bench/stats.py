@@ -31,21 +31,29 @@ def summarize(samples: list[float]) -> dict[str, float]:
             "ci95": 1.96 * std, "min": ordered[0], "max": ordered[-1], "n": len(ordered)}
 
 
-def ratio_ci(a: list[float], b: list[float], resamples: int = 2000, seed: int = 0,
+def ratio_ci(a: list[list[float]], b: list[list[float]], resamples: int = 2000, seed: int = 0,
              level: float = 0.95) -> tuple[float, float, float]:
-    """median(a)/median(b) and its bootstrap percentile interval (resampling each side).
+    """Ratio of median step times, A over B, with a paired block-bootstrap percentile interval.
 
-    Steps are resampled independently, which treats them as exchangeable; the benchmark
-    alternates variants in blocks so slow drift of the machine falls on all of them.
+    ``a[i]`` and ``b[i]`` are the step times of round ``i``'s block of each variant. Steps in
+    one block share the machine's state (other load, caches, clock), so they are not
+    independent: resampling single steps gives intervals far narrower than the run-to-run
+    spread. Rounds are resampled instead, A's and B's block of a round together (they ran
+    back to back), and each resample's ratio is that of the pooled medians.
     """
     import random
 
-    if not a or not b:
-        raise ValueError("no samples")
+    if not a or len(a) != len(b) or not all(a) or not all(b):
+        raise ValueError("need the same number of non-empty blocks on both sides")
+
+    def pooled_ratio(rounds: list[int]) -> float:
+        return (statistics.median(t for i in rounds for t in a[i])
+                / statistics.median(t for i in rounds for t in b[i]))
+
     rng = random.Random(seed)
-    point = statistics.median(a) / statistics.median(b)
-    ratios = sorted(statistics.median(rng.choices(a, k=len(a))) / statistics.median(rng.choices(b, k=len(b)))
-                    for _ in range(resamples))
+    n = len(a)
+    point = pooled_ratio(list(range(n)))
+    ratios = sorted(pooled_ratio(rng.choices(range(n), k=n)) for _ in range(resamples))
     lo = ratios[int((1 - level) / 2 * resamples)]
     hi = ratios[min(resamples - 1, int((1 + level) / 2 * resamples))]
     return point, lo, hi

@@ -135,8 +135,10 @@ def exp_reducer(cfg: BenchConfig, rep: Report) -> None:
     rep.results["reducer"] = raw
     rows = []
     for model in cfg.models:
-        steps = {v: [t for b in raw["blocks"] if b["model"] == model and b["variant"] == v
-                     for t in b["step_s"]] for v in ("bucketed", "stock", "ddp")}
+        variants = ("bucketed", "bucketed-cycle5", "stock", "ddp")
+        blocks = {v: [b["step_s"] for b in sorted(raw["blocks"], key=lambda b: b["round"])
+                      if b["model"] == model and b["variant"] == v] for v in variants}
+        steps = {v: [t for blk in blocks[v] for t in blk] for v in variants}
         cpu = {v: statistics.fmean(c for b in raw["blocks"] if b["model"] == model and b["variant"] == v
                                    for c in b["cpu_s_per_step"]) for v in steps}
         floor = raw["floor"][model]
@@ -152,8 +154,9 @@ def exp_reducer(cfg: BenchConfig, rep: Report) -> None:
                       "cpu_s_per_step": cpu[v], "over_floor": sm["median"] / floor_s}
         for name, (a, b) in {"bucketed_over_ddp": ("bucketed", "ddp"),
                              "stock_over_bucketed": ("stock", "bucketed"),
-                             "stock_over_ddp": ("stock", "ddp")}.items():
-            point, lo, hi = ratio_ci(steps[a], steps[b])
+                             "stock_over_ddp": ("stock", "ddp"),
+                             "cycle5_over_ddp": ("bucketed-cycle5", "ddp")}.items():
+            point, lo, hi = ratio_ci(blocks[a], blocks[b])
             row[name] = {"ratio": point, "ci95": [lo, hi]}
         rows.append(row)
     rep.summary["reducer"] = rows

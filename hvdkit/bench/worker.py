@@ -38,7 +38,7 @@ def _ddp(opts: DDPOptions) -> Backend:
     return _DDP
 
 
-def _horovod(fusion_mb: float, cycle_ms: float | None, reducer: str = "bucketed",
+def _horovod(fusion_mb: float | None, cycle_ms: float | None, reducer: str = "bucketed",
              bucket_mb: float = 25.0) -> Backend:
     """A fresh Horovod init. ``cycle_ms`` must stay None (Horovod's 1 ms) except in a job's
     first init: Horovod 0.28.1 crashes when re-initialised with HOROVOD_CYCLE_TIME set."""
@@ -179,7 +179,9 @@ def mpi_allreduce_times(numel: int, reps: int, comm: Any) -> list[float]:
     return [max(col) for col in zip(*every)]
 
 
-REDUCER_VARIANTS = ("bucketed", "stock", "ddp")
+# name: (reducer or "ddp", HOROVOD_CYCLE_TIME ms or None for Horovod's 1 ms)
+REDUCER_VARIANTS = {"bucketed": ("bucketed", None), "bucketed-cycle5": ("bucketed", 5.0),
+                    "stock": ("stock", None), "ddp": ("ddp", None)}
 
 
 def run_reducer(spec: dict[str, Any], comm: Any) -> dict[str, Any]:
@@ -203,19 +205,27 @@ def run_reducer(spec: dict[str, Any], comm: Any) -> dict[str, Any]:
     out["threads"] = torch.get_num_threads()
     for model in spec["models"]:
         numel = sum(p.numel() for p in build_model(model).parameters())
-        compute = step_times(LocalBackend(BackendConfig()), model, spec["batch"], spec["warmup"],
-                             spec["steps"], comm)
-        wire = mpi_allreduce_times(numel, spec["steps"], comm)
-        out["floor"][model] = {"compute_s": compute, "allreduce_s": wire, "grad_bytes": 4 * numel}
+        floor: dict[str, Any] = {"compute_s": [], "allreduce_s": [], "grad_bytes": 4 * numel}
+        out["floor"][model] = floor
+        # the floor's compute is one more variant in the rotation, so drift hits it alike
+        names = ["compute", *(v for v in REDUCER_VARIANTS if v in spec.get("variants", REDUCER_VARIANTS))]
         for rnd in range(spec["rounds"]):
-            k = rnd % len(REDUCER_VARIANTS)
-            for variant in REDUCER_VARIANTS[k:] + REDUCER_VARIANTS[:k]:
+            floor["allreduce_s"] += mpi_allreduce_times(numel, max(5, spec["steps"] // 4), comm)
+            k = rnd % len(names)
+            for variant in names[k:] + names[:k]:
+                if variant == "compute":
+                    floor["compute_s"] += step_times(LocalBackend(BackendConfig()), model, spec["batch"],
+                                                     spec["warmup"], spec["steps"], comm)
+                    continue
+                reducer, cycle_ms = REDUCER_VARIANTS[variant]
                 cpu: list[float] = []
-                if variant == "ddp":
+                if reducer == "ddp":
                     backend = _ddp(DDPOptions(bucket_cap_mb=spec["bucket_mb"], broadcast_buffers=False))
                     times = step_times(backend, model, spec["batch"], spec["warmup"], spec["steps"], comm, cpu)
                 else:
-                    backend = _horovod(spec["bucket_mb"], None, reducer=variant, bucket_mb=spec["bucket_mb"])
+                    # fusion threshold left at Horovod's default (128 MB >= every bucket here):
+                    # a cycle time plus a fusion threshold cannot be re-initialised (0.28.1 crash)
+                    backend = _horovod(None, cycle_ms, reducer=reducer, bucket_mb=spec["bucket_mb"])
                     try:
                         times = step_times(backend, model, spec["batch"], spec["warmup"], spec["steps"],
                                            comm, cpu)

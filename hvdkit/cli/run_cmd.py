@@ -83,6 +83,9 @@ def shield_from_horovodrun(args: tuple[str, ...]) -> tuple[list[str], dict[str, 
 @click.option("--max-np", type=click.IntRange(min=1), default=None, help="Elastic: most ranks to grow to.")
 @click.option("--host-discovery-script", type=click.Path(dir_okay=False), default=None,
               help="Elastic: executable printing host:slots lines.")
+@click.option("--blacklist-cooldown-range", type=(click.IntRange(min=1), click.IntRange(min=1)),
+              default=None, help="Elastic: seconds (MIN MAX) a host whose worker failed is kept out; "
+                                 "without it, it never rejoins (Horovod's default).")
 @click.option("--write-discovery-script", type=click.Path(dir_okay=False), default=None,
               help="Write a discovery script for Slurm allocations (slurm/discover_hosts.sh) and exit.")
 @click.option("--slots", type=click.IntRange(min=1), default=1, show_default=True,
@@ -98,7 +101,7 @@ def shield_from_horovodrun(args: tuple[str, ...]) -> tuple[list[str], dict[str, 
 def run_command(np: int, backend: str, launcher: str, controller: str, hosts: str | None,
                 oversubscribe: bool | None, elastic: bool, min_np: int | None, max_np: int | None,
                 host_discovery_script: str | None, write_discovery_script: str | None, slots: int,
-                iface: str | None, dry_run: bool, write_script: str | None, args: tuple[str, ...],
+                blacklist_cooldown_range: tuple[int, int] | None, iface: str | None, dry_run: bool, write_script: str | None, args: tuple[str, ...],
                 **_: Any) -> None:
     """Run training on NP local ranks.
 
@@ -117,7 +120,8 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
     spec = LocalLaunch(np=np, launcher=chosen, controller=controller, hosts=hosts,
                        oversubscribe=oversubscribe, iface=iface,
                        min_np=(min_np or 1) if elastic else None, max_np=(max_np or np) if elastic else None,
-                       discovery_script=host_discovery_script if elastic else None)
+                       discovery_script=host_discovery_script if elastic else None,
+                       blacklist_cooldown=blacklist_cooldown_range if elastic else None)
     if is_program(args):
         check_program(args)
     else:

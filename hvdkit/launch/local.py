@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .. import __version__
 from ..errors import ConfigError
-from .vocabulary import FORWARDED_VARS, MPIRUN_BASE, iface_env, root_mpi_env
+from .vocabulary import FORWARDED_VARS, MPIRUN_BASE, iface_env, mpi_env, root_mpi_env
 
 __all__ = [
     "LAUNCHERS", "LocalLaunch", "build_local_command", "format_command", "root_mpi_env",
@@ -46,6 +46,7 @@ class LocalLaunch:
     max_np: int | None = None
     discovery_script: str | None = None
     iface: str | None = None
+    blacklist_cooldown: tuple[int, int] | None = None  # elastic: (min, max) s a failed host waits
 
     def __post_init__(self) -> None:
         if self.np < 1:
@@ -60,6 +61,9 @@ class LocalLaunch:
             if not self.discovery_script:
                 raise ConfigError("elastic training needs a host discovery script",
                                   "pass --host-discovery-script (see --write-discovery-script)")
+            if self.blacklist_cooldown and not 0 < self.blacklist_cooldown[0] <= self.blacklist_cooldown[1]:
+                raise ConfigError(f"--blacklist-cooldown-range {self.blacklist_cooldown} is not 0 < MIN <= MAX",
+                                  "e.g. --blacklist-cooldown-range 60 300")
             lo, hi = self.min_np or 1, self.max_np or self.np
             if not 1 <= lo <= self.np <= hi:
                 raise ConfigError(f"need 1 <= --min-np ({lo}) <= -np ({self.np}) <= --max-np ({hi})",
@@ -87,7 +91,7 @@ def build_local_command(
     ... exist and so can be forwarded with ``mpirun -x``.
     """
     environ = os.environ if environ is None else environ
-    env = {**root_mpi_env(), **(iface_env(spec.iface) if spec.iface else {}), **dict(spec.env)}
+    env = {**mpi_env(environ), **(iface_env(spec.iface) if spec.iface else {}), **dict(spec.env)}
     if spec.launcher == "horovodrun":
         argv = ["horovodrun", "-np", str(spec.np)]
         if spec.iface:  # the interface horovodrun's driver and Gloo rendezvous use
@@ -95,6 +99,8 @@ def build_local_command(
         if spec.elastic:  # Horovod Elastic runs on the Gloo controller
             argv += ["--min-np", str(spec.min_np or 1), "--max-np", str(spec.max_np or spec.np),
                      "--host-discovery-script", str(spec.discovery_script), "--gloo"]
+            if spec.blacklist_cooldown:  # else a host that failed once never comes back
+                argv += ["--blacklist-cooldown-range", *map(str, spec.blacklist_cooldown)]
             return argv + list(program), env
         argv += ["-H", spec.hosts or f"localhost:{spec.np}"]
         argv.append("--gloo" if spec.controller == "gloo" else "--mpi")

@@ -19,7 +19,7 @@ from typing import Any
 from .. import __version__
 from ..errors import ConfigError, HvdkitError
 from .templates import Raw, check_env_name, render_template, template_dir
-from .vocabulary import FORWARDED_VARS, MPIRUN_BASE
+from .vocabulary import FORWARDED_VARS, MPI_DEFAULTS, MPIRUN_BASE
 
 __all__ = ["SlurmJob", "render_sbatch", "submit", "parse_time", "array_indices", "SRUN_MPI",
            "SLURM_LAUNCHERS"]
@@ -219,6 +219,7 @@ def _context(job: SlurmJob, template: str) -> dict[str, Any]:
         "srun_mpi": Raw(job.srun_mpi or ("pmix" if job.backend == "horovod" else "none")),
         "launcher": job.launcher,
         "forwarded": [Raw(v) for v in FORWARDED_VARS],
+        "mpi_defaults": [(Raw(k), v) for k, v in MPI_DEFAULTS.items()],
         "mpirun_base": list(MPIRUN_BASE),
     }
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 
 from ..errors import ConfigError
 
 __all__ = [
     "MPIRUN_BASE", "FORWARDED_VARS", "IFACE_VAR", "iface_env", "check_iface_name",
-    "root_mpi_env", "ROOT_MPI_VARS",
+    "root_mpi_env", "ROOT_MPI_VARS", "MPI_DEFAULTS", "mpi_env",
 ]
 
 # What Horovod's docs pass to mpirun: no binding (torch threads move freely), ranks by
@@ -24,6 +25,15 @@ MPIRUN_BASE = ("-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mc
 
 # Open MPI refuses to run as root unless both are set (containers, this CI).
 ROOT_MPI_VARS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
+
+# Defaults for every MPI process hvdkit starts; a value already in the environment wins.
+# mpi_yield_when_idle: Open MPI spins on the CPU while waiting unless it knows it is
+# oversubscribed. With Horovod it always is, in effect: torch's threads take every core
+# of a rank and Horovod's background thread waits in MPI every cycle. Measured on 2 cores
+# (hvdkit bench --only reducer, same run, bootstrap 95% CI): Horovod bucketed / DDP step
+# time went from 1.16 [1.12, 1.24] to 1.00 [0.97, 1.03] (cnn) and from 1.11 [1.02, 1.15]
+# to 0.91 [0.86, 0.96] (mlp), and Horovod's CPU seconds per step fell by 15-25%.
+MPI_DEFAULTS = {"OMPI_MCA_mpi_yield_when_idle": "1"}
 
 # hvdkit's record of --iface, checked on every rank before any communication starts.
 IFACE_VAR = "HVDKIT_IFACE"
@@ -62,6 +72,13 @@ def iface_env(iface: str) -> dict[str, str]:
         "OMPI_MCA_btl_tcp_if_include": iface,
         "OMPI_MCA_oob_tcp_if_include": iface,
     }
+
+
+def mpi_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What an MPI launch adds to the environment: the root variables and the MPI defaults
+    that ``environ`` (default ``os.environ``) does not already set."""
+    env = os.environ if environ is None else environ
+    return {**root_mpi_env(), **{k: v for k, v in MPI_DEFAULTS.items() if k not in env}}
 
 
 def root_mpi_env() -> dict[str, str]:
