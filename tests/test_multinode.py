@@ -9,11 +9,13 @@ starts a single-node cluster instead and these tests are skipped, with one loud 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -58,6 +60,22 @@ def veth_bytes(node: int, net: str) -> int:
     """Bytes both ways on node ``node``'s link to bridge ``net`` ('m' mgmt, 'f' fabric)."""
     stats = Path(f"/sys/class/net/hvk-n{node}-{net}/statistics")
     return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
+
+
+@contextlib.contextmanager
+def node2_traffic() -> Iterator[dict[str, int]]:
+    """Bytes over node2's management ('m') and fabric ('f') links while the block runs."""
+    before = {net: veth_bytes(2, net) for net in "mf"}
+    delta: dict[str, int] = {}
+    yield delta
+    delta.update({net: veth_bytes(2, net) - before[net] for net in "mf"})
+
+
+def assert_gradients_on_fabric(delta: dict[str, int], steps: int = 16) -> None:
+    # every step sends and receives about one copy of the gradients over node2's link: all of
+    # that must be on the fabric; management carries only Slurm, ssh and launch chatter
+    assert delta["f"] > steps * CNN_GRAD_BYTES, delta
+    assert delta["m"] < delta["f"] / 10, delta
 
 
 def on_node(node: str, argv: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
@@ -155,20 +173,16 @@ RUNS = {
 @pytest.mark.parametrize("kind", sorted(RUNS))
 def test_hvdkit_run_across_hosts_on_the_fabric(tmp_path, kind):
     metrics_file = tmp_path / "m.json"
-    before = {net: veth_bytes(2, net) for net in "mf"}
-    proc = on_node("node1", [sys.executable, "-m", "hvdkit", "run", "-np", "2", "-H", "node1:1,node2:1",
-                             "--iface", "eth1", *RUNS[kind], "--", "--model", "cnn", "--epochs", "1",
-                             "--num-samples", "512", "--batch-size", "16",
-                             "--metrics-file", str(metrics_file)])
+    with node2_traffic() as delta:
+        proc = on_node("node1", [sys.executable, "-m", "hvdkit", "run", "-np", "2", "-H",
+                                 "node1:1,node2:1", "--iface", "eth1", *RUNS[kind], "--", "--model",
+                                 "cnn", "--epochs", "1", "--num-samples", "512", "--batch-size", "16",
+                                 "--metrics-file", str(metrics_file)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    delta = {net: veth_bytes(2, net) - before[net] for net in "mf"}
     metrics = read_metrics(metrics_file)
     assert sorted(p["host"] for p in metrics["placement"]) == ["node1", "node2"]
     assert metrics["params_identical"] is True
-    # 16 steps, each sends and receives about one copy of the gradients over node2's link:
-    # all of that must be on the fabric; the management link carries only ssh and launch chatter.
-    assert delta["f"] > 16 * CNN_GRAD_BYTES, delta
-    assert delta["m"] < delta["f"] / 10, delta
+    assert_gradients_on_fabric(delta)
 
 
 @pytest.mark.timeout(300)
@@ -177,12 +191,11 @@ def test_sbatch_iface_pins_traffic_to_the_fabric(tmp_path, backend):
     script = render(tmp_path, f"iface-{backend}", "--backend", backend, "-N", "2", "--iface", "eth1",
                     "--results-dir", str(tmp_path / "res"), "--", "--model", "cnn", "--epochs", "1",
                     "--num-samples", "512", "--batch-size", "16")
-    before = {net: veth_bytes(2, net) for net in "mf"}
-    job = sbatch(script, tmp_path)
-    assert wait_done(job) == "COMPLETED", (tmp_path / f"iface-{backend}-{job}.out").read_text()[-3000:]
-    delta = {net: veth_bytes(2, net) - before[net] for net in "mf"}
-    assert delta["f"] > 16 * CNN_GRAD_BYTES, delta
-    assert delta["m"] < delta["f"] / 10, delta
+    with node2_traffic() as delta:
+        job = sbatch(script, tmp_path)
+        state = wait_done(job)
+    assert state == "COMPLETED", (tmp_path / f"iface-{backend}-{job}.out").read_text()[-3000:]
+    assert_gradients_on_fabric(delta)
 
 
 @pytest.mark.timeout(300)

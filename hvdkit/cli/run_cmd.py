@@ -101,8 +101,8 @@ def shield_from_horovodrun(args: tuple[str, ...]) -> tuple[list[str], dict[str, 
 def run_command(np: int, backend: str, launcher: str, controller: str, hosts: str | None,
                 oversubscribe: bool | None, elastic: bool, min_np: int | None, max_np: int | None,
                 host_discovery_script: str | None, write_discovery_script: str | None, slots: int,
-                blacklist_cooldown_range: tuple[int, int] | None, iface: str | None, dry_run: bool, write_script: str | None, args: tuple[str, ...],
-                **_: Any) -> None:
+                blacklist_cooldown_range: tuple[int, int] | None, iface: str | None,
+                dry_run: bool, write_script: str | None, args: tuple[str, ...], **_: Any) -> None:
     """Run training on NP local ranks.
 
     ARGS are 'hvdkit train' options (e.g. --model mlp --epochs 3), or after
