@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import subprocess
 
 import pytest
@@ -72,13 +73,15 @@ def test_quick_bench_tiny(tmp_path):
         assert exp in data["summary"], exp
         assert exp in data["results"] or exp == "model"
     red = data["summary"]["reducer"][0]
-    assert red["model"] == "mlp" and red["floor_s"] > 0 and red["best"] in ("bucketed", "stock", "ddp")
-    for v in ("bucketed", "stock", "ddp"):
+    variants = ("bucketed", "bucketed-cycle5", "stock", "ddp")
+    assert red["model"] == "mlp" and red["floor_s"] > 0 and red["best"] in variants
+    for v in variants:
         assert red[v]["n"] == 3 and red[v]["p25_s"] <= red[v]["median_s"] <= red[v]["p75_s"]
         assert red[v]["cpu_s_per_step"] > 0
     lo, hi = red["bucketed_over_ddp"]["ci95"]
     assert lo <= red["bucketed_over_ddp"]["ratio"] <= hi
-    assert {b["variant"] for b in data["results"]["reducer"]["blocks"]} == {"bucketed", "stock", "ddp"}
+    assert {b["variant"] for b in data["results"]["reducer"]["blocks"]} == set(variants)
+    assert data["results"]["reducer"]["hosts"] == [socket.gethostname()] * 2   # no --hosts: both here
     ab = data["summary"]["ab"][0]
     assert ab["model"] == "mlp" and ab["horovod_samples_s"]["median"] > 0 and ab["ddp_samples_s"]["median"] > 0
     assert {r["setting"] for r in data["summary"]["fusion"]["rows"]} >= {
