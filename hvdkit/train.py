@@ -100,10 +100,13 @@ def train(cfg: TrainConfig, backend: Backend | None = None,
     result = TrainResult(backend=backend.name, world_size=backend.size)
     try:
         return _train(cfg, backend, log, result)
-    except RuntimeError as exc:
-        if not is_peer_failure(exc):
-            raise
+    except BaseException as exc:
+        # Whatever failed here, the peers may be waiting in a collective this rank will never
+        # join: shutdown() must not wait for them (DDP's exit barrier hung until --ddp-timeout).
+        # This process exits; its peers then see the connection drop and stop too.
         backend.abort()
+        if not (isinstance(exc, RuntimeError) and is_peer_failure(exc)):
+            raise
         who = _peers_text(backend.rank, result.placement, backend.size)
         resume = f"rerun the job: it resumes from the last checkpoint in {cfg.checkpoint_dir}" \
             if cfg.checkpoint_dir else "rerun the job (with --checkpoint-dir it would resume)"

@@ -157,5 +157,7 @@ class Backend(ABC):
     def __enter__(self) -> Backend:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is not None:  # leaving on an error: do not wait for peers that may be stuck
+            self.abort()
         self.shutdown()
