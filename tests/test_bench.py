@@ -27,6 +27,20 @@ def numbers(obj):
             yield from numbers(v)
 
 
+def flat_items(obj, key=None):
+    """(innermost key, number) for every number in a nested summary."""
+    if isinstance(obj, bool) or obj is None:
+        return
+    if isinstance(obj, (int, float)):
+        yield key, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from flat_items(v, k)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from flat_items(v, key)
+
+
 def test_summarize_and_cost_model():
     s = summarize([1.0, 2.0, 3.0, 4.0])
     assert s["median"] == 2.5 and s["min"] == 1 and s["max"] == 4 and s["n"] == 4
@@ -95,7 +109,12 @@ def test_quick_bench_tiny(tmp_path):
     for exp, summary in data["summary"].items():
         for x in numbers(summary):
             assert math.isfinite(x), (exp, x)
-            assert x >= 0 or exp == "overhead", (exp, x)  # the overhead is signed
+    # signed by nature: the overhead, and comm shares (1 - compute/step, two noisy medians)
+    signed = ("overhead_pct", "comm_share", "horovod_comm_share", "ddp_comm_share", "comm_s")
+    for exp, summary in data["summary"].items():
+        for key, x in flat_items(summary):
+            if exp != "overhead" and key not in signed:
+                assert x >= 0, (exp, key, x)
     for name in ("ab", "fusion", "scaling", "allreduce", "model"):
         png = out / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name

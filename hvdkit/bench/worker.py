@@ -81,9 +81,24 @@ def step_times(backend: Backend, model_name: str, batch: int, warmup: int, steps
     return [max(col) for col in zip(*every)]
 
 
+def share_cores(comm: Any) -> int:
+    """Give this rank the threads the backends give it (this node's cores over its ranks,
+    as Backend.limit_cpu_threads does) so that a compute-only floor is measured like the
+    real step, not with torch's default of every core per rank. Returns the thread count."""
+    import os
+    import socket
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        hosts = comm.allgather(socket.gethostname())
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // hosts.count(socket.gethostname())))
+    return torch.get_num_threads()
+
+
 def _measure(variant: dict[str, Any], model: str, batch: int, warmup: int, steps: int, comm: Any) -> list[float]:
     kind = variant["kind"]
     if kind == "compute":  # same work, no communication: the floor for comm share
+        share_cores(comm)
         return step_times(LocalBackend(BackendConfig()), model, batch, warmup, steps, comm)
     if kind == "horovod":
         backend = _horovod(variant.get("fusion_mb", 128.0), variant.get("cycle_ms"))
@@ -192,17 +207,10 @@ def run_reducer(spec: dict[str, Any], comm: Any) -> dict[str, Any]:
     is a single process doing the same step with no communication (compute), plus an
     MPI_Allreduce of the model's gradient bytes through mpi4py (the wire, no framework).
     """
-    import os
     import socket
 
     out: dict[str, Any] = {"blocks": [], "floor": {}, "hosts": comm.allgather(socket.gethostname())}
-    # the floor computes with the threads the backends will use: this node's cores shared
-    # among its ranks (Backend.limit_cpu_threads), not torch's default of all cores each
-    hosts = comm.allgather(socket.gethostname())
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, cores // hosts.count(socket.gethostname())))
-    out["threads"] = torch.get_num_threads()
+    out["threads"] = share_cores(comm)
     for model in spec["models"]:
         numel = sum(p.numel() for p in build_model(model).parameters())
         floor: dict[str, Any] = {"compute_s": [], "allreduce_s": [], "grad_bytes": 4 * numel}
