@@ -210,7 +210,7 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
         {"rank": backend.rank, "local_rank": backend.local_rank, "host": socket.gethostname(),
          "pid": os.getpid(), "threads": torch.get_num_threads()})
     result.ranks = [f"{p['rank']}@{p['host']}:{p['pid']}" for p in result.placement]
-    result.topology = backend.topology()
+    result.topology = backend.topology([p["host"] for p in result.placement])
 
     dataset = H5Dataset(cfg.data) if cfg.data else synthetic_dataset(cfg.model, cfg.num_samples)
     geo = _geometry(cfg, size, len(dataset))

@@ -14,9 +14,22 @@ from torch import nn
 
 from ..config import BackendConfig
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "share_node_cores"]
 
 T = TypeVar("T")
+
+
+def share_node_cores(hosts: list[str]) -> int:
+    """Set torch's threads to this node's cores over its ranks, unless ``OMP_NUM_THREADS`` is set.
+
+    ``hosts`` is every rank's hostname (gathered by the caller); the ranks on this host share
+    its cores. Returns the thread count in use.
+    """
+    if "OMP_NUM_THREADS" not in os.environ:
+        per_node = max(1, hosts.count(socket.gethostname()))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // per_node))
+    return torch.get_num_threads()
 
 
 class Backend(ABC):
@@ -68,10 +81,8 @@ class Backend(ABC):
         to slow a 2-rank CPU run down 50x. Returns the thread count in use.
         """
         hosts = self.gather_objects(socket.gethostname())
-        per_node = max(1, hosts.count(socket.gethostname()))
-        if "OMP_NUM_THREADS" not in os.environ and self.device.type == "cpu":
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            torch.set_num_threads(max(1, cores // per_node))
+        if self.device.type == "cpu":
+            share_node_cores(hosts)
         return torch.get_num_threads()
 
     # -- model ------------------------------------------------------------------
@@ -140,13 +151,13 @@ class Backend(ABC):
         """After a peer failed: make :meth:`shutdown` skip anything that talks to the others."""
         self._aborted = True
 
-    def topology(self) -> dict[str, Any]:
+    def topology(self, hosts: list[str]) -> dict[str, Any]:
         """How the ranks are spread over nodes, as this backend sees it (same on every rank).
 
-        ``nodes`` counts distinct hostnames; backends add what their library reports
-        (Horovod's ``cross_size``, DDP's rendezvous address). Collective: call on every rank.
+        ``hosts`` is every rank's hostname, already gathered by the caller; ``nodes`` counts
+        the distinct ones; backends add what their library reports (Horovod's ``cross_size``,
+        DDP's rendezvous address).
         """
-        hosts = self.gather_objects(socket.gethostname())
         return {"nodes": len(set(hosts)), "hosts": sorted(set(hosts)),
                 "master_addr": os.environ.get("MASTER_ADDR")}
 

@@ -100,9 +100,9 @@ class DDPBackend(Backend):
     def local_rank(self) -> int:
         return self._local_rank
 
-    def topology(self) -> dict[str, Any]:
+    def topology(self, hosts: list[str]) -> dict[str, Any]:
         """Adds where the ranks met: the launcher environment and rank 0's address."""
-        return {**super().topology(), "environment": self.env.name,
+        return {**super().topology(hosts), "environment": self.env.name,
                 "master_addr": self.env.main_address, "master_port": self.env.main_port,
                 "process_group": self.pg_backend}
 

@@ -93,9 +93,9 @@ class HorovodBackend(Backend):
     def local_rank(self) -> int:
         return int(self.hvd.local_rank())
 
-    def topology(self) -> dict[str, Any]:
+    def topology(self, hosts: list[str]) -> dict[str, Any]:
         """Adds Horovod's own view: ``cross_size`` (nodes), ``local_size`` (ranks per node)."""
-        return {**super().topology(), "reducer": self.reducer, "cross_size": int(self.hvd.cross_size()),
+        return {**super().topology(hosts), "reducer": self.reducer, "cross_size": int(self.hvd.cross_size()),
                 "local_size": int(self.hvd.local_size()),
                 "controller": "mpi" if self.hvd.mpi_enabled() else "gloo"}
 

@@ -82,17 +82,14 @@ def step_times(backend: Backend, model_name: str, batch: int, warmup: int, steps
 
 
 def share_cores(comm: Any) -> int:
-    """Give this rank the threads the backends give it (this node's cores over its ranks,
-    as Backend.limit_cpu_threads does) so that a compute-only floor is measured like the
-    real step, not with torch's default of every core per rank. Returns the thread count."""
-    import os
+    """Give this rank the threads the backends give it (Backend.limit_cpu_threads's rule), so
+    that a compute-only floor is measured like the real step, not with torch's default of
+    every core per rank. Returns the thread count."""
     import socket
 
-    if "OMP_NUM_THREADS" not in os.environ:
-        hosts = comm.allgather(socket.gethostname())
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // hosts.count(socket.gethostname())))
-    return torch.get_num_threads()
+    from ..backends.base import share_node_cores
+
+    return share_node_cores(comm.allgather(socket.gethostname()))
 
 
 def _measure(variant: dict[str, Any], model: str, batch: int, warmup: int, steps: int, comm: Any) -> list[float]:
