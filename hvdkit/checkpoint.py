@@ -4,14 +4,15 @@ File layout (``h5dump -A ckpt-000000100.h5`` shows it)::
 
     /                attrs: format, format_version, epoch, global_step, samples_seen,
                             samples_in_epoch, world_size, backend, hvdkit_version,
-                            torch_version, created, checksum (CRC-32 over all dataset CRCs)
+                            torch_version, created, checksum (CRC-32 over every name, attribute
+                            and byte of the file except itself)
     /model/<name>    one dataset per state_dict tensor (dtype, shape kept)
     /optimizer/...   state/<param index>/<key> datasets; param_groups as JSON attribute
     /scheduler, /scaler, /loop   JSON attributes or groups
     /rng/<rank>/...  torch, numpy, python (and CUDA) generator states of every rank
 
-Writing: only rank 0 writes, to ``.<name>.tmp<pid>`` in the same directory,
-then flush, fsync, ``os.replace`` and fsync of the directory, so a crash at any
+Writing: only rank 0 writes. The file is built in memory, then written with
+plain ``write()`` to ``.<name>.tmp<pid>`` in the same directory, fsync, ``os.replace`` and fsync of the directory, so a crash at any
 instant leaves either the old or the new file, never half of one. A ``latest``
 file names the newest checkpoint; the oldest beyond ``keep`` are removed.
 """
@@ -19,9 +20,13 @@ file names the newest checkpoint; the oldest beyond ``keep`` are removed.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import hashlib
+import io
 import os
 import random
 import re
+import shutil
 import sys
 import time
 import zlib
@@ -35,7 +40,7 @@ import torch
 from . import __version__
 from .errors import CheckpointError
 from .fileio import write_text_atomic
-from .h5tree import ChecksumMismatch, read_tree, write_tree
+from .h5tree import ChecksumMismatch, crc32_of, read_tree, write_tree
 
 __all__ = [
     "TrainingState",
@@ -45,13 +50,21 @@ __all__ = [
     "read_checkpoint",
     "verify_checkpoint",
     "summarize_checkpoint",
+    "nonfinite_tensor",
     "capture_rng",
     "restore_rng",
 ]
 
 FORMAT = "hvdkit-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 2 files start with a 512-byte HDF5 user block (HDF5 and h5dump skip it)
+# holding "hvdkit-checkpoint 2", the size and the SHA-256 of every byte after it.
+# A reader checks that digest *before* HDF5 parses anything: HDF5 can crash the
+# process on a damaged file (a segfault on 1 of a few hundred random byte flips).
+_USERBLOCK = 512
+_MAGIC = b"hvdkit-checkpoint 2\n"
 _NAME = re.compile(r"^ckpt-(\d{9})\.h5$")
+_SPACE_MARGIN = 64 << 10  # keep a little room: a disk filled to the byte hurts everyone
 
 
 @dataclass
@@ -101,21 +114,44 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(list(state["cuda"]))
 
 
+def _attr_bytes(value: Any) -> bytes:
+    """A stable byte form of one attribute value (arrays in full, never abbreviated)."""
+    if isinstance(value, np.ndarray):
+        return f"{value.dtype.str}{value.shape}".encode() + value.tobytes()
+    return repr(value).encode()
+
+
 def _content_checksum(f: Any) -> int:
-    """CRC-32 over every dataset's name and recorded CRC, plus the JSON attributes."""
+    """CRC-32 over everything the file holds, except the root ``checksum`` attribute itself.
+
+    Every group and dataset by name, every attribute (the root's too) by name and
+    value, every dataset's dtype, shape and *actual* bytes (not the CRC recorded
+    beside it). One flipped bit anywhere in the content changes it.
+    """
     import h5py
 
-    parts: list[str] = []
+    crc = 0
 
-    def visit(name: str, node: Any) -> None:
-        if isinstance(node, h5py.Dataset):
-            parts.append(f"D {name} {node.dtype} {node.shape} {int(node.attrs.get('crc32', 0))}")
+    def add(data: bytes) -> None:
+        nonlocal crc
+        crc = zlib.crc32(data, crc)
+
+    def add_attrs(name: str, node: Any) -> None:
         for key in sorted(node.attrs):
-            if key.startswith("json:") or key in ("kind", "order", "key_types", "torch_dtype"):
-                parts.append(f"A {name} {key} {node.attrs[key]}")
+            if not (name == "/" and key == "checksum"):
+                add(f"A {name} {key} ".encode() + _attr_bytes(node.attrs[key]) + b"\n")
 
-    f.visititems(visit)
-    return zlib.crc32("\n".join(sorted(parts)).encode()) & 0xFFFFFFFF
+    add_attrs("/", f)
+    nodes: list[tuple[str, Any]] = []
+    f.visititems(lambda name, node: nodes.append((name, node)))
+    for name, node in sorted(nodes, key=lambda item: item[0]):
+        if isinstance(node, h5py.Dataset):
+            add(f"D {name} {node.dtype.str} {node.shape}\n".encode())
+            crc = crc32_of(np.asarray(node[()]), crc)
+        else:
+            add(f"G {name}\n".encode())
+        add_attrs(name, node)
+    return crc & 0xFFFFFFFF
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -126,73 +162,174 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_checkpoint(path: str | os.PathLike[str], snap: Snapshot) -> Path:
-    """Write ``snap`` to ``path`` atomically (temp file, fsync, rename). Single-process."""
+def _encode(snap: Snapshot) -> bytes:
+    """The whole checkpoint file as bytes, built in memory.
+
+    HDF5 never touches the disk: a full disk then fails in a plain ``write()``
+    we can report, instead of inside HDF5's metadata cache (which crashed the
+    process at exit).
+    """
     import h5py
 
+    buffer = io.BytesIO()
+    with h5py.File(buffer, "w", track_order=True, userblock_size=_USERBLOCK) as f:
+        state = dataclasses.asdict(snap.state)
+        f.attrs.update({
+            "format": FORMAT, "format_version": FORMAT_VERSION,
+            "epoch": snap.state.epoch, "global_step": snap.state.global_step,
+            "samples_seen": snap.state.samples_seen,
+            "samples_in_epoch": snap.state.samples_in_epoch,
+            "hvdkit_version": __version__, "torch_version": str(torch.__version__),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **{k: v for k, v in snap.meta.items() if isinstance(v, (str, int, float))},
+        })
+        write_tree(f, "model", dict(snap.model))
+        for name, obj in (("optimizer", snap.optimizer), ("scheduler", snap.scheduler),
+                          ("scaler", snap.scaler), ("loop", state),
+                          ("rng", {str(i): r for i, r in enumerate(snap.rng)})):
+            if obj is not None:
+                write_tree(f, name, obj)
+        f.attrs["checksum"] = _content_checksum(f)
+    data = bytearray(buffer.getvalue())
+    body = memoryview(data)[_USERBLOCK:]
+    header = _MAGIC + f"size {len(body)}\nsha256 {hashlib.sha256(body).hexdigest()}\n".encode()
+    data[: len(header)] = header
+    return bytes(data)
+
+
+def _verified_bytes(path: Path) -> bytes:
+    """The file's bytes after the user-block digest matched; never lets HDF5 see damage."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} does not exist", "list checkpoints with 'ls DIR'") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror}",
+                              "check the file's permissions and the file system") from None
+    if not data.startswith(_MAGIC):
+        hint = "pass a file written by hvdkit"
+        if data.startswith(b"\x89HDF"):
+            raise CheckpointError(f"{path} is an HDF5 file but not an hvdkit checkpoint (v2)", hint)
+        raise CheckpointError(f"checkpoint {path} has a damaged header or is not a checkpoint", _DAMAGED)
+    try:
+        lines = data[len(_MAGIC):_USERBLOCK].split(b"\n")
+        size = int(lines[0].removeprefix(b"size "))
+        digest = lines[1].removeprefix(b"sha256 ").decode("ascii")
+        padding_clean = not any(b"\n".join(lines[2:]))
+    except (IndexError, ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"checkpoint {path} has a damaged header", _DAMAGED) from None
+    body = memoryview(data)[_USERBLOCK:]
+    if len(body) != size:
+        raise CheckpointError(f"checkpoint {path} is truncated or padded: {len(body)} of {size} bytes",
+                              _DAMAGED)
+    if not padding_clean or hashlib.sha256(body).hexdigest() != digest:
+        raise CheckpointError(f"checkpoint {path} is corrupt: SHA-256 of its content does not match "
+                              "the digest written with it", _DAMAGED)
+    return data
+
+
+def _human(size: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.0f} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def _write_error(path: Path, exc: OSError, size: int) -> CheckpointError:
+    """A one-line error whose hint matches the cause: space, permission, or other."""
+    where = path.parent
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = shutil.disk_usage(where).free if where.is_dir() else 0
+        return CheckpointError(
+            f"disk full: checkpoint {path.name} needs {_human(size)}, {_human(free)} free in {where}",
+            "free space or point --checkpoint-dir elsewhere; the previous checkpoint is kept")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return CheckpointError(
+            f"cannot write checkpoint into {where}: {exc.strerror}",
+            "make the directory writable or point --checkpoint-dir elsewhere")
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
+        return CheckpointError(
+            f"checkpoint directory {where} is not a directory ({exc.strerror})",
+            "pass a directory path to --checkpoint-dir")
+    return CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}",
+                           "check the checkpoint directory and the file system")
+
+
+def write_checkpoint(path: str | os.PathLike[str], snap: Snapshot) -> Path:
+    """Write ``snap`` to ``path`` atomically (temp file, fsync, rename). Single-process.
+
+    Raises :class:`CheckpointError` (disk full, permission, not a directory) with
+    the previous file at ``path`` and no temp file left behind.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    data = _encode(snap)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with h5py.File(tmp, "w", track_order=True) as f:
-            state = dataclasses.asdict(snap.state)
-            f.attrs.update({
-                "format": FORMAT, "format_version": FORMAT_VERSION,
-                "epoch": snap.state.epoch, "global_step": snap.state.global_step,
-                "samples_seen": snap.state.samples_seen,
-                "samples_in_epoch": snap.state.samples_in_epoch,
-                "hvdkit_version": __version__, "torch_version": str(torch.__version__),
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                **{k: v for k, v in snap.meta.items() if isinstance(v, (str, int, float))},
-            })
-            write_tree(f, "model", dict(snap.model))
-            for name, obj in (("optimizer", snap.optimizer), ("scheduler", snap.scheduler),
-                              ("scaler", snap.scaler), ("loop", state),
-                              ("rng", {str(i): r for i, r in enumerate(snap.rng)})):
-                if obj is not None:
-                    write_tree(f, name, obj)
-            f.attrs["checksum"] = _content_checksum(f)
-            f.flush()
-        fd = os.open(tmp, os.O_RDONLY)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if shutil.disk_usage(path.parent).free < len(data) + _SPACE_MARGIN:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
             os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
+    except OSError as exc:
+        raise _write_error(path, exc, len(data)) from None
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # e.g. ENOTDIR: then no temp file could exist either
     return path
+
+
+_DAMAGED = "delete it or let resume fall back to the previous checkpoint"
 
 
 def _open_checked(path: Path) -> Any:
     import h5py
 
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist", "list checkpoints with 'ls DIR'")
+    data = _verified_bytes(path)
     try:
-        f = h5py.File(path, "r")
-    except OSError as exc:
+        f = h5py.File(io.BytesIO(data), "r")
+    except Exception as exc:  # noqa: BLE001 - a damaged superblock raises many types
         raise CheckpointError(
-            f"checkpoint {path} is truncated or not an HDF5 file ({str(exc).splitlines()[0]})",
-            "delete it; resume falls back to the previous checkpoint",
+            f"checkpoint {path} is truncated or not an HDF5 file ({_first_line(exc)})", _DAMAGED,
         ) from None
-    if f.attrs.get("format") != FORMAT:
+    try:
+        is_ours = f.attrs.get("format") == FORMAT
+    except Exception:  # noqa: BLE001
+        is_ours = False
+    if not is_ours:
         f.close()
-        raise CheckpointError(f"{path} is not an hvdkit checkpoint", "pass a file written by hvdkit")
+        raise CheckpointError(f"{path} is not an hvdkit checkpoint (or its header is damaged)",
+                              "pass a file written by hvdkit")
     return f
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
+
+
 def read_checkpoint(path: str | os.PathLike[str], verify: bool = True) -> Snapshot:
-    """Read and (by default) verify a checkpoint; raises :class:`CheckpointError` if corrupt."""
+    """Read and (by default) verify a checkpoint; raises :class:`CheckpointError` if corrupt.
+
+    Every read is inside the guard: a damaged file raises :class:`CheckpointError`
+    and nothing else, whatever part of it the damage hit.
+    """
     path = Path(path)
     f = _open_checked(path)
     try:
         with f:
-            if verify and int(f.attrs["checksum"]) != _content_checksum(f):
-                raise ChecksumMismatch("content checksum mismatch")
-            loop = read_tree(f, "loop", verify)
+            loop = read_tree(f, "loop", verify)  # dataset CRCs first: they name the damaged tensor
             snap = Snapshot(
                 model=read_tree(f, "model", verify),
                 optimizer=read_tree(f, "optimizer", verify) if _present(f, "optimizer") else None,
@@ -203,14 +340,14 @@ def read_checkpoint(path: str | os.PathLike[str], verify: bool = True) -> Snapsh
             )
             rng = read_tree(f, "rng", verify) if _present(f, "rng") else {}
             snap.rng = [rng[str(i)] for i in range(len(rng))]
+            if verify and int(f.attrs["checksum"]) != _content_checksum(f):
+                raise ChecksumMismatch("content checksum mismatch (an attribute, name or "
+                                       "loop/optimizer value differs from what was written)")
             return snap
     except CheckpointError:
         raise
-    except (ChecksumMismatch, KeyError, OSError, ValueError, TypeError) as exc:
-        raise CheckpointError(
-            f"checkpoint {path} is corrupt: {exc}",
-            "delete it; resume falls back to the previous checkpoint",
-        ) from None
+    except Exception as exc:  # noqa: BLE001 - any damage is "corrupt", never a traceback
+        raise CheckpointError(f"checkpoint {path} is corrupt: {_first_line(exc)}", _DAMAGED) from None
 
 
 def _present(f: Any, name: str) -> bool:
@@ -231,16 +368,30 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> tuple[bool, str]:
 
 
 def summarize_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Metadata, tensor list (name, dtype, shape, bytes) and checksum verdict of a checkpoint."""
+    """Metadata, tensor list (name, dtype, shape, bytes) and checksum verdict of a checkpoint.
+
+    Raises :class:`CheckpointError` (one line) if the file cannot be read at all.
+    """
     f = _open_checked(Path(path))
-    with f:
-        meta = {k: _plain(v) for k, v in f.attrs.items()}
-        tensors = []
-        for name, ds in f["model"].items():
-            dtype = str(ds.attrs.get("torch_dtype", ds.dtype))
-            tensors.append((name.replace("%2F", "/"), dtype, tuple(ds.shape), int(ds.nbytes)))
+    try:
+        with f:
+            meta = {k: _plain(v) for k, v in f.attrs.items()}
+            tensors = []
+            for name, ds in f["model"].items():
+                dtype = str(ds.attrs.get("torch_dtype", ds.dtype))
+                tensors.append((name.replace("%2F", "/"), dtype, tuple(ds.shape), int(ds.nbytes)))
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {path} is corrupt: {_first_line(exc)}", _DAMAGED) from None
     ok, message = verify_checkpoint(path)
     return {"meta": meta, "tensors": tensors, "checksum_ok": ok, "checksum_message": message}
+
+
+def nonfinite_tensor(tensors: dict[str, torch.Tensor]) -> str | None:
+    """Name of the first floating-point tensor holding NaN or inf, or ``None``."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
 
 
 def _log(msg: str) -> None:
@@ -268,9 +419,11 @@ class CheckpointManager:
 
     def _candidates(self) -> list[Path]:
         ordered = self.checkpoints()
-        pointer = self.directory / "latest"
-        if pointer.is_file():
-            named = self.directory / pointer.read_text().strip()
+        try:
+            named = self.directory / (self.directory / "latest").read_text().strip()
+        except (OSError, UnicodeDecodeError, ValueError):
+            named = None  # no pointer, or a damaged one: newest step first is the fallback
+        if named is not None:
             if named in ordered:
                 ordered.remove(named)
                 ordered.insert(0, named)
@@ -291,18 +444,22 @@ class CheckpointManager:
             try:
                 return path, read_checkpoint(path, verify=True)
             except CheckpointError as exc:
-                _log(f"WARNING: skipping {exc}")
+                _log(f"WARNING: skipping {path.name}: {exc.message}; trying the previous checkpoint")
         return None
 
     # -- collectives ------------------------------------------------------------
     def _agree(self, outcome: tuple[bool, Any] | None) -> Any:
         ok, value = self.backend.broadcast_object(outcome, 0)
-        if not ok:
-            raise CheckpointError(
-                f"rank 0 failed to handle the checkpoint in {self.directory}: {value}",
-                "check free space and permissions of the checkpoint directory",
-            )
+        if not ok:  # value is (message, hint) from rank 0's exception
+            raise CheckpointError(f"rank 0 could not handle the checkpoint: {value[0]}", value[1])
         return value
+
+    @staticmethod
+    def _failure(exc: Exception) -> tuple[bool, tuple[str, str]]:
+        if isinstance(exc, CheckpointError):
+            return False, (exc.message, exc.hint or "")
+        return False, (f"{type(exc).__name__}: {_first_line(exc)}",
+                       "check the checkpoint directory (free space, permissions)")
 
     def save(self, model: Any, optimizer: Any, scheduler: Any, state: TrainingState,
              scaler: Any = None) -> Path:
@@ -311,8 +468,15 @@ class CheckpointManager:
         outcome: tuple[bool, Any] | None = None
         if self.backend.is_master:
             try:
+                weights = self.backend.unwrap(model).state_dict()
+                bad = nonfinite_tensor(weights)
+                if bad is not None:
+                    raise CheckpointError(
+                        f"not saving step {state.global_step}: parameter {bad} holds NaN/inf; "
+                        "the previous checkpoints are kept",
+                        "lower --lr or check the data; resume restarts from the last finite one")
                 snap = Snapshot(
-                    model=self.backend.unwrap(model).state_dict(),
+                    model=weights,
                     optimizer=optimizer.state_dict() if optimizer is not None else None,
                     scheduler=scheduler.state_dict() if scheduler is not None else None,
                     scaler=scaler.state_dict() if scaler is not None else None,
@@ -325,7 +489,7 @@ class CheckpointManager:
                 self._prune()
                 outcome = (True, str(path))
             except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
-                outcome = (False, f"{type(exc).__name__}: {exc}")
+                outcome = self._failure(exc)
         return Path(self._agree(outcome))
 
     def restore(self, model: Any, optimizer: Any, scheduler: Any = None,
@@ -352,7 +516,7 @@ class CheckpointManager:
                         "world_size": snap.meta.get("world_size"),
                     })
             except Exception as exc:  # noqa: BLE001
-                outcome = (False, f"{type(exc).__name__}: {exc}")
+                outcome = self._failure(exc)
         info = self._agree(outcome)
         self.backend.broadcast_state(model, optimizer)
         if info is None:

@@ -123,14 +123,51 @@ def test_bit_flip_and_truncation_are_detected(tmp_path):
         fh.seek(offset)
         fh.write(bytes([byte[0] ^ 0x10]))
     ok, message = verify_checkpoint(flipped)
-    assert not ok and "checksum mismatch in dataset /model/blocks.3.fc.weight" in message
+    assert not ok and "SHA-256 of its content does not match" in message
     with pytest.raises(CheckpointError, match="is corrupt"):
         read_checkpoint(flipped)
 
     truncated = tmp_path / "truncated.h5"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     ok, message = verify_checkpoint(truncated)
-    assert not ok and "truncated or not an HDF5 file" in message and "\n" not in message
+    assert not ok and "is truncated or padded" in message and "\n" not in message
+
+
+def test_loop_state_edit_is_detected_and_ckpt_verify_says_so(tmp_path):
+    """The reported silent corruption: global_step 4 -> 5 in the loop state, file otherwise valid."""
+    model, opt, _ = trained_state()
+    path = write_checkpoint(tmp_path / "ckpt-000000004.h5", Snapshot(
+        model=model.state_dict(), optimizer=opt.state_dict(), state=TrainingState(global_step=4)))
+    other = write_checkpoint(tmp_path / "ckpt-000000003.h5", Snapshot(model=model.state_dict()))
+    with h5py.File(path, "r+") as f:  # a well-formed edit: HDF5 itself sees nothing wrong
+        f.attrs["json:loop"] = f.attrs["json:loop"].replace('"global_step": 4', '"global_step": 5')
+        f.attrs["global_step"] = 5
+    assert not verify_checkpoint(path)[0]
+    result = CliRunner().invoke(cli, ["ckpt", "verify", str(tmp_path)])
+    assert result.exit_code == 1
+    ok_line, failed_line = result.output.splitlines()
+    assert ok_line == f"OK      {other}"
+    assert failed_line.startswith(f"FAILED  checkpoint {path} is ")  # h5py rewrote it: size changed
+    assert failed_line.endswith("HINT: delete it or let resume fall back to the previous checkpoint")
+    result = CliRunner().invoke(cli, ["ckpt", "verify", str(other)])
+    assert result.exit_code == 0 and result.output == f"OK      {other}\n"
+
+
+def test_content_checksum_covers_attributes_even_without_the_digest(tmp_path):
+    """Second layer: the in-file checksum also changes with any attribute (the root's too)."""
+    from hvdkit.checkpoint import _content_checksum
+
+    model, _, _ = trained_state()
+    path = write_checkpoint(tmp_path / "c.h5", Snapshot(model=model.state_dict(),
+                                                       state=TrainingState(global_step=4)))
+    with h5py.File(path, "r+") as f:
+        before = _content_checksum(f)
+        assert before == int(f.attrs["checksum"])
+        for edit in (lambda: f.attrs.__setitem__("epoch", 1),
+                     lambda: f.attrs.__setitem__("json:loop", f.attrs["json:loop"].replace("4", "5")),
+                     lambda: f["model"].attrs.__setitem__("order", "[]")):
+            edit()
+            assert _content_checksum(f) != before
 
 
 def test_manager_keeps_last_n_and_falls_back_past_corrupt(tmp_path, capsys):
@@ -156,7 +193,7 @@ def test_manager_keeps_last_n_and_falls_back_past_corrupt(tmp_path, capsys):
     state = mgr.restore(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
     assert state.global_step == 2
     assert torch.all(next(fresh.parameters()) == 2)
-    assert "WARNING: skipping checkpoint" in capsys.readouterr().err
+    assert "WARNING: skipping ckpt-000000003.h5: checkpoint" in capsys.readouterr().err
 
 
 def test_restore_with_no_checkpoint_is_fresh_start(tmp_path):
@@ -170,9 +207,10 @@ def test_failed_write_is_one_error_not_a_half_file(tmp_path):
     blocker.write_text("x")
     mgr = CheckpointManager(blocker, LocalBackend(BackendConfig()))
     model = build_model("tiny")
-    with pytest.raises(CheckpointError, match="rank 0 failed to handle the checkpoint") as info:
+    with pytest.raises(CheckpointError, match="rank 0 could not handle the checkpoint: checkpoint "
+                       "directory .* is not a directory") as info:
         mgr.save(model, None, None, TrainingState(global_step=1))
-    assert "HINT:" in str(info.value)
+    assert "HINT: pass a directory path to --checkpoint-dir" in str(info.value)
     assert blocker.read_text() == "x"
 
 
@@ -189,4 +227,40 @@ def test_ckpt_show_cli(tmp_path):
     with h5py.File(path, "r+") as f:
         f["model/inp.bias"][0] += 1.0  # silent change of one value
     result = CliRunner().invoke(cli, ["ckpt", "show", str(path)])
-    assert result.exit_code == 1 and "checksum     FAILED" in result.output
+    assert result.exit_code == 1 and "is corrupt: SHA-256" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A real 512 KiB tmpfs (root only), unmounted afterwards."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)],
+                          capture_output=True, text=True, timeout=30)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip()}); needs root")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True, timeout=30)
+
+
+@pytest.mark.parametrize("precheck", [True, False], ids=["free-space-check", "write-hits-ENOSPC"])
+def test_full_disk_is_reported_as_full_and_keeps_the_previous_checkpoint(tiny_fs, monkeypatch, precheck):
+    import hvdkit.checkpoint as ckmod
+
+    if not precheck:  # skip the up-front check so that os.write itself gets ENOSPC
+        monkeypatch.setattr(ckmod, "_SPACE_MARGIN", -(1 << 40))
+    mgr = CheckpointManager(tiny_fs, LocalBackend(BackendConfig()))
+    model = build_model("tiny")
+    mgr.save(model, None, None, TrainingState(global_step=1))
+    first = (tiny_fs / "ckpt-000000001.h5").read_bytes()
+    free = shutil.disk_usage(tiny_fs).free
+    (tiny_fs / "filler").write_bytes(b"\0" * (free - 8192))  # leave 8 KiB: less than a checkpoint
+    with pytest.raises(CheckpointError) as info:
+        mgr.save(model, None, None, TrainingState(global_step=2))
+    message = str(info.value)
+    assert "disk full: checkpoint ckpt-000000002.h5 needs" in message and " free in " in message
+    assert "HINT: free space or point --checkpoint-dir elsewhere" in message and "\n" not in message
+    assert sorted(p.name for p in tiny_fs.iterdir()) == ["ckpt-000000001.h5", "filler", "latest"]
+    assert (tiny_fs / "ckpt-000000001.h5").read_bytes() == first
+    assert verify_checkpoint(tiny_fs / "ckpt-000000001.h5")[0]

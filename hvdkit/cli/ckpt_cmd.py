@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
 from ..config import MODEL_NAMES
 from .common import translate_errors
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 @click.group("ckpt")
@@ -26,16 +30,9 @@ def ckpt_show(path: str, as_json: bool) -> None:
     PATH may be a checkpoint directory (its 'latest' file is shown). Exits 1 when
     the checksum does not verify.
     """
-    from pathlib import Path
-
     from ..checkpoint import summarize_checkpoint
 
-    target = Path(path)
-    if target.is_dir():
-        pointer = target / "latest"
-        if not pointer.is_file():
-            raise click.ClickException(f"{target} has no 'latest' checkpoint pointer")
-        target = target / pointer.read_text().strip()
+    target = _resolve(path)
     info = summarize_checkpoint(target)
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
@@ -52,6 +49,50 @@ def ckpt_show(path: str, as_json: bool) -> None:
         verdict = "OK" if info["checksum_ok"] else f"FAILED: {info['checksum_message']}"
         click.echo(f"checksum     {verdict}")
     sys.exit(0 if info["checksum_ok"] else 1)
+
+
+def _resolve(path: str) -> Path:
+    """PATH itself, or the checkpoint a directory's ``latest`` names (one-line errors)."""
+    from pathlib import Path
+
+    target = Path(path)
+    if not target.is_dir():
+        return target
+    try:
+        name = (target / "latest").read_text().strip()
+    except FileNotFoundError:
+        raise click.ClickException(
+            f"{target} has no 'latest' checkpoint pointer; pass a ckpt-*.h5 file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.ClickException(f"{target}/latest is unreadable ({exc}); pass a ckpt-*.h5 file") from None
+    if not name or "/" in name:
+        raise click.ClickException(f"{target}/latest is damaged ({name[:40]!r}); pass a ckpt-*.h5 file")
+    return target / name
+
+
+@ckpt_group.command("verify")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
+@translate_errors
+def ckpt_verify(paths: tuple[str, ...]) -> None:
+    """Check every byte of each checkpoint; a directory means all its ckpt-*.h5 files.
+
+    Prints one line per file (OK or FAILED with the reason); exits 1 if any failed.
+    """
+    from pathlib import Path
+
+    from ..checkpoint import verify_checkpoint
+
+    files: list[Path] = []
+    for path in map(Path, paths):
+        files += sorted(path.glob("ckpt-*.h5")) if path.is_dir() else [path]
+    if not files:
+        raise click.ClickException(f"no ckpt-*.h5 files in {' '.join(paths)}")
+    failed = 0
+    for file in files:
+        ok, message = verify_checkpoint(file)
+        failed += not ok
+        click.echo(f"OK      {file}" if ok else f"FAILED  {message}")  # message names the file
+    sys.exit(1 if failed else 0)
 
 
 @click.group("data")
