@@ -451,7 +451,9 @@ class CheckpointManager:
     def _agree(self, outcome: tuple[bool, Any] | None) -> Any:
         ok, value = self.backend.broadcast_object(outcome, 0)
         if not ok:  # value is (message, hint) from rank 0's exception
-            raise CheckpointError(f"rank 0 could not handle the checkpoint: {value[0]}", value[1])
+            err = CheckpointError(f"rank 0 could not handle the checkpoint: {value[0]}", value[1])
+            err.echo = self.backend.is_master  # every rank raises it; one prints it
+            raise err
         return value
 
     @staticmethod
@@ -462,35 +464,46 @@ class CheckpointManager:
                        "check the checkpoint directory (free space, permissions)")
 
     def save(self, model: Any, optimizer: Any, scheduler: Any, state: TrainingState,
-             scaler: Any = None) -> Path:
-        """Collective: gather RNG states, rank 0 writes, everyone learns the outcome."""
+             scaler: Any = None, skip_nonfinite: bool = False) -> Path | None:
+        """Collective: gather RNG states, rank 0 writes, everyone learns the outcome.
+
+        Weights holding NaN/inf are never written: that raises :class:`CheckpointError`,
+        or with ``skip_nonfinite`` logs one warning and returns ``None``. Either way
+        the older checkpoints stay (nothing is pruned).
+        """
         rng = self.backend.gather_objects(capture_rng())
         outcome: tuple[bool, Any] | None = None
         if self.backend.is_master:
             try:
                 weights = self.backend.unwrap(model).state_dict()
                 bad = nonfinite_tensor(weights)
-                if bad is not None:
+                if bad is not None and skip_nonfinite:
+                    _log(f"WARNING: not saving step {state.global_step}: parameter {bad} holds "
+                         "NaN/inf; the previous checkpoints are kept")
+                    outcome = (True, None)
+                elif bad is not None:
                     raise CheckpointError(
                         f"not saving step {state.global_step}: parameter {bad} holds NaN/inf; "
                         "the previous checkpoints are kept",
                         "lower --lr or check the data; resume restarts from the last finite one")
-                snap = Snapshot(
-                    model=weights,
-                    optimizer=optimizer.state_dict() if optimizer is not None else None,
-                    scheduler=scheduler.state_dict() if scheduler is not None else None,
-                    scaler=scaler.state_dict() if scaler is not None else None,
-                    state=state, rng=rng,
-                    meta={"world_size": self.backend.size, "backend": self.backend.name},
-                )
-                path = self.directory / f"ckpt-{state.global_step:09d}.h5"
-                write_checkpoint(path, snap)
-                self._write_pointer(path)
-                self._prune()
-                outcome = (True, str(path))
+                else:
+                    snap = Snapshot(
+                        model=weights,
+                        optimizer=optimizer.state_dict() if optimizer is not None else None,
+                        scheduler=scheduler.state_dict() if scheduler is not None else None,
+                        scaler=scaler.state_dict() if scaler is not None else None,
+                        state=state, rng=rng,
+                        meta={"world_size": self.backend.size, "backend": self.backend.name},
+                    )
+                    path = self.directory / f"ckpt-{state.global_step:09d}.h5"
+                    write_checkpoint(path, snap)
+                    self._write_pointer(path)
+                    self._prune()
+                    outcome = (True, str(path))
             except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
                 outcome = self._failure(exc)
-        return Path(self._agree(outcome))
+        written = self._agree(outcome)
+        return Path(written) if written is not None else None
 
     def restore(self, model: Any, optimizer: Any, scheduler: Any = None,
                 scaler: Any = None) -> TrainingState | None:

@@ -178,6 +178,7 @@ class TrainConfig:
     resume: bool = True
     requeue: bool = True
     log_every: int = 0
+    on_nonfinite: str = "stop"  # stop | warn at the first NaN/inf loss on any rank
     metrics_file: str | None = None
     elastic: bool = False
     commit_every: int = 10
@@ -186,6 +187,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _choice("model", self.model, MODEL_NAMES)
         _choice("optimizer", self.optimizer, ("sgd", "adam", "adamw"))
+        _choice("on_nonfinite", self.on_nonfinite, ("stop", "warn"))
         for name in ("epochs", "batch_size", "num_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", f"raise {name}")

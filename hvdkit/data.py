@@ -20,7 +20,7 @@ from torch.utils.data import Dataset, Sampler
 
 from .errors import ConfigError, HvdkitError
 
-__all__ = ["ShardSampler", "H5Dataset", "make_synthetic_h5", "per_rank_batch_size"]
+__all__ = ["ShardSampler", "H5Dataset", "check_h5_dataset", "make_synthetic_h5", "per_rank_batch_size"]
 
 
 def per_rank_batch_size(
@@ -87,28 +87,10 @@ class H5Dataset(Dataset):
     this rank's sampler asks for are ever read.
     """
 
-    def __init__(self, path: str | os.PathLike[str], x_key: str = "x", y_key: str = "y") -> None:
-        import h5py
-
+    def __init__(self, path: str | os.PathLike[str], x_key: str = "x", y_key: str = "y",
+                 model: str | None = None) -> None:
         self.path, self.x_key, self.y_key = str(path), x_key, y_key
-        if not Path(self.path).is_file():
-            raise HvdkitError(
-                f"dataset file {self.path} does not exist",
-                "create one with 'hvdkit data make-synthetic PATH'",
-            )
-        with h5py.File(self.path, "r") as f:
-            for key in (x_key, y_key):
-                if key not in f:
-                    raise HvdkitError(
-                        f"dataset file {self.path} has no dataset {key!r} (has {sorted(f)})",
-                        "pass the right --x-key/--y-key or regenerate the file",
-                    )
-            self._len = int(f[x_key].shape[0])
-            if int(f[y_key].shape[0]) != self._len:
-                raise HvdkitError(
-                    f"{self.path}: {x_key} and {y_key} have different lengths",
-                    "regenerate the file",
-                )
+        self._len = check_h5_dataset(self.path, model, x_key, y_key)
         self._file = None
         self._pid = None
 
@@ -132,6 +114,74 @@ class H5Dataset(Dataset):
         state = self.__dict__.copy()
         state["_file"], state["_pid"] = None, None  # never pickle an open handle
         return state
+
+
+def _bad(path: str, what: str, hint: str = "regenerate it with 'hvdkit data make-synthetic'") -> HvdkitError:
+    return HvdkitError(f"dataset {path}: {what}", hint)
+
+
+def check_h5_dataset(path: str | os.PathLike[str], model: str | None = None, x_key: str = "x",
+                     y_key: str = "y", scan_values: bool = False) -> int:
+    """Check an HDF5 dataset before the first step; returns its number of samples.
+
+    File type, keys, lengths, the sample shape and dtype ``model`` takes, integer
+    labels within the model's classes; with ``scan_values`` also NaN/inf in ``x``.
+    Every failure is one :class:`HvdkitError` naming file, key, expected and found.
+    """
+    import h5py
+
+    path = str(path)
+    if not Path(path).is_file():
+        raise HvdkitError(f"dataset file {path} does not exist",
+                          "create one with 'hvdkit data make-synthetic PATH'")
+    if not h5py.is_hdf5(path):
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+        raise _bad(path, f"not an HDF5 file (starts with {head!r})",
+                   "pass an HDF5 file with datasets x (samples) and y (labels)")
+    spec = None
+    if model is not None:
+        from .models import MODELS
+
+        spec = MODELS[model]
+    try:
+        with h5py.File(path, "r") as f:
+            for key in (x_key, y_key):
+                if key not in f or not isinstance(f[key], h5py.Dataset):
+                    raise _bad(path, f"no dataset {key!r} (found {sorted(f)})",
+                               "the file needs datasets 'x' (samples) and 'y' (labels)")
+            x, y = f[x_key], f[y_key]
+            if x.ndim < 1 or y.ndim != 1 or x.shape[0] != y.shape[0] or x.shape[0] == 0:
+                raise _bad(path, f"'{x_key}' {x.shape} and '{y_key}' {y.shape} must be N samples and N "
+                                 "labels (N > 0)")
+            if spec is not None and tuple(x.shape[1:]) != spec.input_shape:
+                raise _bad(path, f"'{x_key}' samples have shape {tuple(x.shape[1:])}, model {model} "
+                                 f"expects {spec.input_shape}",
+                           f"pass --model matching the data or regenerate it for {model}")
+            if x.dtype != np.float32:
+                raise _bad(path, f"'{x_key}' has dtype {x.dtype}, expected float32",
+                           "convert it, e.g. f.create_dataset('x', data=x.astype('float32'))")
+            if y.dtype.kind not in "iu":
+                raise _bad(path, f"'{y_key}' has dtype {y.dtype}, expected integer class labels")
+            labels = np.asarray(y[()])
+            if spec is not None and labels.size and (labels.min() < 0 or labels.max() >= spec.classes):
+                where = int(np.argmax((labels < 0) | (labels >= spec.classes)))
+                raise _bad(path, f"'{y_key}'[{where}] = {labels[where]} is outside model {model}'s "
+                                 f"{spec.classes} classes [0, {spec.classes - 1}]",
+                           "fix the labels or pick the model with that many classes")
+            if scan_values:
+                for start in range(0, x.shape[0], 4096):
+                    block = np.asarray(x[start:start + 4096])
+                    bad = ~np.isfinite(block.reshape(len(block), -1)).all(axis=1)
+                    if bad.any():
+                        raise _bad(path, f"'{x_key}'[{start + int(np.argmax(bad))}] holds NaN/inf",
+                                   "clean the data; training would stop at its step (--on-nonfinite)")
+            return int(x.shape[0])
+    except HvdkitError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a damaged file: one line, not h5py's traceback
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise _bad(path, f"cannot be read ({first})") from None
 
 
 def make_synthetic_h5(

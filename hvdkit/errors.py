@@ -9,7 +9,13 @@ from __future__ import annotations
 
 
 class HvdkitError(RuntimeError):
-    """A user-facing error: one line, what went wrong, then ``HINT: fix``."""
+    """A user-facing error: one line, what went wrong, then ``HINT: fix``.
+
+    ``echo`` is False on the ranks that should stay quiet when every rank raises
+    the same error (a collective decision): the CLI then exits 1 without printing.
+    """
+
+    echo: bool = True
 
     def __init__(self, message: str, hint: str | None = None) -> None:
         self.message = " ".join(message.split())

@@ -32,6 +32,7 @@ from .data import H5Dataset, ShardSampler, per_rank_batch_size
 from .errors import ConfigError, HvdkitError
 from .fileio import write_json_atomic
 from .models import build_model, synthetic_dataset
+from .nonfinite import NonFiniteWatch
 from .preemption import PreemptionGuard, requeue_slurm_job
 from .profiling import step_profiler
 
@@ -106,6 +107,8 @@ def train(cfg: TrainConfig, backend: Backend | None = None,
         # This process exits; its peers then see the connection drop and stop too.
         backend.abort()
         if not (isinstance(exc, RuntimeError) and is_peer_failure(exc)):
+            # who failed, for the one-line error 'hvdkit train' prints under the traceback
+            exc.hvdkit_rank = f"rank {backend.rank}/{backend.size} ({backend.name}) on {socket.gethostname()}"
             raise
         who = _peers_text(backend.rank, result.placement, backend.size)
         resume = f"rerun the job: it resumes from the last checkpoint in {cfg.checkpoint_dir}" \
@@ -152,7 +155,9 @@ def _first_line(exc: BaseException) -> str:
     if not lines:
         return type(exc).__name__
     line = re.sub(r"^\[[^\]]*\]\s*", "", lines[0])  # gloo/c10d prefix their source location
-    return line.split(" This is typically caused")[0][:300]
+    for advice in (" This is typically caused", " This was caused by"):  # gloo, Horovod
+        line = line.split(advice)[0]
+    return line[:300]
 
 
 def train_step(backend: Backend, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -212,7 +217,7 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
     result.ranks = [f"{p['rank']}@{p['host']}:{p['pid']}" for p in result.placement]
     result.topology = backend.topology([p["host"] for p in result.placement])
 
-    dataset = H5Dataset(cfg.data) if cfg.data else synthetic_dataset(cfg.model, cfg.num_samples)
+    dataset = _open_data(cfg, master)
     geo = _geometry(cfg, size, len(dataset))
     if master and cfg.global_batch_size not in (None, geo.global_batch):
         log(f"WARNING: global batch {cfg.global_batch_size} rounded down to {geo.global_batch}")
@@ -242,11 +247,24 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
             f"{result.topology['nodes']} node(s) {' '.join(result.topology['hosts'])}, start step "
             f"{state.global_step}, slurm restarts {os.environ.get('SLURM_RESTART_COUNT', '0')}")
 
+    watch = NonFiniteWatch(backend, cfg.on_nonfinite)
+    resumed_from = f"ckpt-{state.global_step:09d}.h5" if ckpt and state.global_step else None
+    saved: dict[str, object] = {"step": None, "path": None}  # at most one checkpoint per step
+
     def save() -> None:
         assert ckpt is not None
+        if saved["step"] == state.global_step:
+            return
         state.extra = {"loss_sums": backend.gather_objects(float(loss_sum)),
                        "epoch_losses": result.epoch_losses}
-        ckpt.save(model, optimizer, scheduler, state)
+        path = ckpt.save(model, optimizer, scheduler, state, skip_nonfinite=watch.mode == "warn")
+        saved["step"] = state.global_step
+        saved["path"] = path.name if path is not None else saved["path"]
+
+    def check_nonfinite(flagged: bool, before_save: bool) -> None:
+        # The per-step flag lags one step; before a save, ask about this step too.
+        if flagged or (before_save and watch.check_now()):
+            watch.handle(state.global_step, saved["path"] or resumed_from, log)
 
     sampler = ShardSampler(len(dataset), size, backend.rank, seed=cfg.seed)
     device = backend.device
@@ -263,9 +281,10 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
             model.train()
             t0 = time.perf_counter()
             for _ in range(first_step, geo.steps_per_epoch):
-                # Agree on preemption while this step computes; read it after.
-                stop_requested = backend.start_any_true(guard.requested)
+                # Agree on preemption and earlier non-finite losses while this step computes.
+                agreement = backend.start_any_flags([guard.requested, watch.flag()])
                 loss = train_step(backend, model, optimizer, batches, accum, device)
+                watch.record(loss, state.global_step + 1)
                 loss_sum += loss
                 scheduler.step()
                 profiler.step()
@@ -276,10 +295,12 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
                     log(f"step {state.global_step} loss {loss.item():.6f} "
                         f"lr {scheduler.get_last_lr()[0]:.5g}")
 
-                stop = stop_requested()  # the same answer on every rank
+                stop, nonfinite = agreement()  # the same answers on every rank
                 limit = cfg.max_steps is not None and state.global_step >= cfg.max_steps
                 periodic = cfg.checkpoint_every and state.global_step % cfg.checkpoint_every == 0
-                if ckpt and (stop or limit or periodic):
+                wants_save = bool(ckpt and (stop or limit or periodic))
+                check_nonfinite(nonfinite and not watch.warned, before_save=wants_save)
+                if wants_save:
                     save()
                 if stop:
                     _report_preemption(cfg, backend, guard, state, result, bool(ckpt), log)
@@ -300,6 +321,7 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
             if master:
                 log(f"epoch {epoch} loss {epoch_loss:.6f} samples/s {sps:.1f} ({size} ranks)")
             state.epoch, state.samples_in_epoch = epoch + 1, 0
+            check_nonfinite(not watch.warned and watch.check_now(), before_save=False)
             loss_sum.zero_()
             if ckpt:
                 save()
@@ -339,6 +361,17 @@ def _report_done(cfg: TrainConfig, backend: Backend, model: nn.Module, result: T
                                                  "final_loss": result.final_loss,
                                                  "params_identical": same,
                                                  "config": dataclasses.asdict(cfg)})
+
+
+def _open_data(cfg: TrainConfig, master: bool) -> torch.utils.data.Dataset:
+    """The HDF5 dataset (checked against the model before the first step) or synthetic data."""
+    if not cfg.data:
+        return synthetic_dataset(cfg.model, cfg.num_samples)
+    try:
+        return H5Dataset(cfg.data, model=cfg.model)
+    except HvdkitError as err:
+        err.echo = master  # every rank reads the same file and fails the same way
+        raise
 
 
 def _resumed_loss_sum(state: TrainingState, backend: Backend) -> float:

@@ -6,7 +6,7 @@ import contextlib
 import os
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -129,15 +129,21 @@ class Backend(ABC):
         """True on every rank if ``flag`` is true on any rank (agree on stopping)."""
         return self.allreduce_metric(1.0 if flag else 0.0, op="max") > 0.5
 
-    def start_any_true(self, flag: bool) -> Callable[[], bool]:
-        """Like :meth:`any_true` but asynchronous: start now, call the result later.
+    def start_any_flags(self, flags: Sequence[bool | torch.Tensor]) -> Callable[[], list[bool]]:
+        """Like :meth:`any_true` for several flags at once, asynchronous: start now, read later.
 
         The training loop starts it before the forward pass and reads it after
-        ``optimizer.step()``, so agreeing on preemption overlaps with compute
-        instead of costing a blocking round trip every step.
+        ``optimizer.step()``, so agreeing on preemption and on a non-finite loss
+        overlaps with compute instead of costing a blocking round trip every
+        step. A flag may be a 0-d tensor on :attr:`device` (no host sync to build it).
         """
-        answer = self.any_true(flag)
-        return lambda: answer
+        answers = [self.any_true(bool(f)) for f in flags]
+        return lambda: answers
+
+    def _flag_tensor(self, flags: Sequence[bool | torch.Tensor]) -> torch.Tensor:
+        """The flags as one float tensor on :attr:`device`, for a MAX allreduce."""
+        return torch.stack([torch.as_tensor(f, device=self.device).to(torch.float32).reshape(())
+                            for f in flags])
 
     @abstractmethod
     def barrier(self) -> None:

@@ -12,7 +12,7 @@ import contextlib
 import datetime
 import gc
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -169,13 +169,13 @@ class DDPBackend(Backend):
             out /= self._size
         return out.to(tensor.device)
 
-    def start_any_true(self, flag: bool) -> Callable[[], bool]:
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+    def start_any_flags(self, flags: Sequence[bool | torch.Tensor]) -> Callable[[], list[bool]]:
+        t = self._flag_tensor(flags)
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
 
-        def wait() -> bool:
+        def wait() -> list[bool]:
             work.wait()
-            return bool(t.item() > 0.5)
+            return [bool(v > 0.5) for v in t.tolist()]
 
         return wait
 

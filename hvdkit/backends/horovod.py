@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -184,10 +184,10 @@ class HorovodBackend(Backend):
             raise ValueError(f"unknown reduce op {op!r}")
         return hvd.allreduce(tensor.detach(), op=ops[op], name=self._name("allreduce"))  # type: ignore[no-any-return]
 
-    def start_any_true(self, flag: bool) -> Callable[[], bool]:
-        t = torch.tensor([1.0 if flag else 0.0])
-        handle = self.hvd.allreduce_async(t, op=self.hvd.Max, name=self._name("flag"))
-        return lambda: bool(self.hvd.synchronize(handle).item() > 0.5)
+    def start_any_flags(self, flags: Sequence[bool | torch.Tensor]) -> Callable[[], list[bool]]:
+        handle = self.hvd.allreduce_async(self._flag_tensor(flags), op=self.hvd.Max,
+                                          name=self._name("flags"))
+        return lambda: [bool(v > 0.5) for v in self.hvd.synchronize(handle).tolist()]
 
     def barrier(self) -> None:
         self.hvd.barrier()

@@ -1,4 +1,4 @@
-"""``hvdkit ckpt show`` and ``hvdkit data make-synthetic``: inspect checkpoints, make datasets."""
+"""``hvdkit ckpt show|verify`` and ``hvdkit data make-synthetic|check``: checkpoints and datasets."""
 
 from __future__ import annotations
 
@@ -112,3 +112,18 @@ def make_synthetic(path: str, model: str, num_samples: int, seed: int) -> None:
 
     out = make_synthetic_h5(path, model, num_samples, seed)
     click.echo(f"wrote {out} ({num_samples} samples for model {model})")
+
+
+@data_group.command("check")
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--model", type=click.Choice(sorted(MODEL_NAMES)), default=None,
+              help="Also check sample shape and label range against this model.")
+@click.option("--scan-values/--no-scan-values", default=True, show_default=True,
+              help="Read every sample and report the first NaN/inf.")
+@translate_errors
+def data_check(path: str, model: str | None, scan_values: bool) -> None:
+    """Check an HDF5 dataset as 'hvdkit train --data' will (one line; exit 1 if bad)."""
+    from ..data import check_h5_dataset
+
+    n = check_h5_dataset(path, model, scan_values=scan_values)
+    click.echo(f"OK {path}: {n} samples" + (f", fits model {model}" if model else ""))

@@ -77,6 +77,8 @@ def translate_errors(f: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return f(*args, **kwargs)
         except HvdkitError as exc:
+            if not exc.echo:  # the same error is printed by rank 0
+                sys.exit(1)
             raise click.ClickException(str(exc)) from None
 
     return wrapper

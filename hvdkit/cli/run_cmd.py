@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import os
 import re
-import subprocess
 import sys
 from typing import Any
 
@@ -22,6 +21,7 @@ from ..launch.local import (
     resolve_launcher,
     training_program,
 )
+from ..launch.output import run_with_log
 from ..launch.vocabulary import IFACE_VAR, check_iface_name
 from .common import config_option, translate_errors
 from .validate import check_program, check_train_args, is_program
@@ -94,6 +94,8 @@ def shield_from_horovodrun(args: tuple[str, ...]) -> tuple[list[str], dict[str, 
               help="Network interface for all traffic (Gloo, NCCL, Open MPI), e.g. ib0; must exist "
                    "on this host and on every host of -H.")
 @click.option("--dry-run", is_flag=True, help="Print the command instead of running it.")
+@click.option("--log-dir", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Where a failed run leaves its full launcher output (default: the temp dir).")
 @click.option("--write-script", type=click.Path(dir_okay=False), default=None,
               help="Write a standalone launch script (from slurm/mpirun.sh) instead of running.")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
@@ -102,11 +104,16 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
                 oversubscribe: bool | None, elastic: bool, min_np: int | None, max_np: int | None,
                 host_discovery_script: str | None, write_discovery_script: str | None, slots: int,
                 blacklist_cooldown_range: tuple[int, int] | None, iface: str | None,
-                dry_run: bool, write_script: str | None, args: tuple[str, ...], **_: Any) -> None:
+                dry_run: bool, log_dir: str | None, write_script: str | None, args: tuple[str, ...],
+                **_: Any) -> None:
     """Run training on NP local ranks.
 
     ARGS are 'hvdkit train' options (e.g. --model mlp --epochs 3), or after
     '--' a program of your own (e.g. -- python my_train.py).
+
+    The console shows what the ranks print, without tracebacks or launcher
+    banners; a failed run ends with one 'Error:' line naming the cause and the
+    log file that holds the whole output.
     """
     if write_discovery_script:
         path = write_text_atomic(write_discovery_script, render_discovery_script(slots), executable=True)
@@ -143,9 +150,11 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
         return
     argv[0] = resolve_launcher(argv[0])
     try:
-        code = subprocess.call(argv, env={**os.environ, **env})
+        outcome = run_with_log(argv, {**os.environ, **env}, log_dir=log_dir)
     except FileNotFoundError:
         raise click.ClickException(
             f"{argv[0]} not found. HINT: run ./scripts/setup.sh (installs Open MPI and Horovod) "
             "and activate .venv") from None
-    sys.exit(code)
+    if outcome.returncode != 0:
+        click.echo(f"Error: {outcome.summary()}", err=True)
+    sys.exit(outcome.returncode)

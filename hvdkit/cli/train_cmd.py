@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import traceback
 from typing import Any
 
 import click
 
 from ..config import BACKENDS, MODEL_NAMES, BackendConfig, DDPOptions, HorovodOptions, TrainConfig
+from ..errors import HvdkitError
 from .common import config_option, translate_errors
 
 _TRAIN = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
@@ -93,6 +95,9 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
 @_opt("--keep-checkpoints", type=click.IntRange(min=1), default=_TRAIN["keep_checkpoints"])
 @_opt("--resume/--no-resume", default=True, help="Resume from the newest valid checkpoint.")
 @_opt("--requeue/--no-requeue", default=True, help="On SIGUSR1 under Slurm: checkpoint and requeue.")
+@_opt("--on-nonfinite", type=click.Choice(["stop", "warn"]), default=_TRAIN["on_nonfinite"],
+      help="At the first NaN/inf loss on any rank: stop with an error (no checkpoint of it), "
+           "or warn and go on (checkpoints with NaN/inf weights are skipped).")
 @_opt("--log-every", type=click.IntRange(min=0), default=0, help="Print the loss every N steps.")
 @_opt("--elastic/--no-elastic", default=False, help="Horovod Elastic (run under horovodrun --min-np/--max-np).")
 @_opt("--commit-every", type=click.IntRange(min=1), default=10, help="Elastic: commit state every N steps.")
@@ -101,14 +106,22 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
 def train_command(**options: Any) -> None:
     """Train an example model; run it under horovodrun, mpirun or srun for N ranks."""
     cfg = build_train_config(options)
-    if cfg.elastic:
-        from ..elastic import train_elastic
+    try:
+        if cfg.elastic:
+            from ..elastic import train_elastic
 
-        result = train_elastic(cfg)
-    else:
-        from ..train import train
+            result = train_elastic(cfg)
+        else:
+            from ..train import train
 
-        result = train(cfg)
+            result = train(cfg)
+    except HvdkitError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bug or bad data: traceback, then one line
+        traceback.print_exc()
+        where = getattr(exc, "hvdkit_rank", "this rank")
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise click.ClickException(f"{where} failed: {type(exc).__name__}: {first}") from None
     if result is not None and result.preempted and not result.requeued:
         from ..preemption import EXIT_PREEMPTED
 

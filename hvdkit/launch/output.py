@@ -1,0 +1,131 @@
+"""Run a launcher with a readable console: tracebacks go to a log file, one line to the user.
+
+horovodrun and mpirun end a failed job with pages of their own (horovodrun's
+Python traceback, Open MPI's dashed banners) under every rank's traceback. The
+console keeps what ranks print for people (hvdkit's own lines, a rank's
+one-line ``Error:``) and hides traceback bodies and launcher banners; the whole
+output, untouched, goes to a log file whose name the closing line gives.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+__all__ = ["ConsoleFilter", "RunOutcome", "run_with_log"]
+
+# horovodrun tags worker lines "[0]<stderr>:", torch tags tracebacks "[rank0]: "
+_TAG = re.compile(r"^(\[\d+\]<std(?:out|err)>:|\[rank\d+\]:\s?)")
+_BANNER = re.compile(r"^-{40,}$")
+_LAUNCHER_NOISE = re.compile(r"^(Process \d+ exit with status code \d+\.|"
+                             r"Terminating remaining workers after failure of Process \d+\.|"
+                             r"Process name: \S+|Exit code: \d+|)$")  # the last: blank lines
+_CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
+
+
+@dataclass
+class ConsoleFilter:
+    """Line filter, one state per source tag: shows a line, or hides it (returns ``None``)."""
+
+    causes: list[str] = field(default_factory=list)  # last line of each hidden traceback
+    errors: list[str] = field(default_factory=list)  # "Error: ..." lines ranks printed
+    _in_traceback: dict[str, bool] = field(default_factory=dict)
+    _in_banner: bool = False
+
+    def __call__(self, line: str) -> str | None:
+        m = _TAG.match(line)
+        tag = m.group(1) if m else ""
+        body = line[m.end():] if m else line
+        text = body.rstrip("\n")
+        if _BANNER.match(text):
+            self._in_banner = not self._in_banner
+            return None
+        if self._in_banner:
+            return None
+        if self._in_traceback.get(tag):
+            if text.startswith((" ", "\t")) or not text.strip() or text.startswith(_CHAIN) \
+                    or text.startswith("Traceback (most recent call last)"):
+                return None
+            self._in_traceback[tag] = False
+            self.causes.append(text.strip())
+            return None
+        if text.startswith("Traceback (most recent call last)"):
+            self._in_traceback[tag] = True
+            return None
+        if _LAUNCHER_NOISE.match(text):
+            return None
+        if text.startswith("Error: "):
+            self.errors.append(text)
+        return line
+
+
+@dataclass
+class RunOutcome:
+    """How a launched job ended, and where its full output is."""
+
+    returncode: int
+    log: Path
+    errors: list[str]
+    causes: list[str]
+
+    def summary(self) -> str:
+        """One line: the first rank error (or hidden exception), and the log file.
+
+        A rank's own failure beats the "lost contact" lines its peers print after it.
+        """
+        own = [e for e in self.errors if "lost contact with" not in e]
+        if own or self.errors:
+            what = (own or self.errors)[0].removeprefix("Error: ")
+        elif self.causes:
+            what = self.causes[0]
+        else:
+            what = f"the launcher exited with status {self.returncode}"
+        return f"job failed (exit {self.returncode}): {what} [full output: {self.log}]"
+
+
+def run_with_log(argv: Sequence[str], env: Mapping[str, str], log_dir: str | None = None,
+                 out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) -> RunOutcome:
+    """Run ``argv``; filtered lines to ``out``/``err``, everything to a log file.
+
+    The log is kept when the job fails and removed when it succeeds.
+    """
+    handle = tempfile.NamedTemporaryFile("w", prefix="hvdkit-run-", suffix=".log", dir=log_dir,
+                                         delete=False)
+    log = Path(handle.name)
+    keep = ConsoleFilter()
+    lock = threading.Lock()
+    proc = subprocess.Popen(list(argv), env=dict(env), text=True, bufsize=1,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def pump(stream: IO[str], sink: IO[str]) -> None:
+        for line in stream:
+            with lock:
+                handle.write(line)
+                shown = keep(line)
+                if shown is not None:
+                    # horovodrun tags say which stream a worker used; honour them
+                    (err if "<stderr>:" in shown[:16] else sink).write(shown)
+                    (err if "<stderr>:" in shown[:16] else sink).flush()
+
+    threads = [threading.Thread(target=pump, args=(proc.stdout, out), daemon=True),
+               threading.Thread(target=pump, args=(proc.stderr, err), daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        code = proc.wait()
+    for t in threads:
+        t.join()
+    handle.close()
+    if code == 0:
+        log.unlink(missing_ok=True)
+    return RunOutcome(code, log, keep.errors, keep.causes)
