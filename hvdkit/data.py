@@ -195,11 +195,21 @@ def make_synthetic_h5(
     ds = synthetic_dataset(model, num_samples, seed)
     x, y = ds.tensors  # type: ignore[attr-defined]
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    with h5py.File(tmp, "w") as f:
-        f.create_dataset("x", data=x.numpy(), chunks=(1, *x.shape[1:]))
-        f.create_dataset("y", data=y.numpy())
-        f.attrs.update({"model": model, "seed": seed, "num_samples": num_samples})
-    os.replace(tmp, out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with h5py.File(tmp, "w") as f:
+            f.create_dataset("x", data=x.numpy(), chunks=(1, *x.shape[1:]))
+            f.create_dataset("y", data=y.numpy())
+            f.attrs.update({"model": model, "seed": seed, "num_samples": num_samples})
+        os.replace(tmp, out)
+    except OSError as exc:
+        reason = exc.strerror or (str(exc).splitlines() or ["I/O error"])[0]
+        raise HvdkitError(f"cannot write dataset {out}: {reason}",
+                          "pick a writable directory with enough free space") from None
+    finally:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
     return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from .. import __version__
@@ -33,5 +35,19 @@ cli.add_command(sweep_command)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point."""
-    cli.main(args=argv, prog_name="hvdkit")
+    """Console-script entry point: one line per error; exit 2 for usage, 1 for runtime errors."""
+    try:
+        code = cli.main(args=argv, prog_name="hvdkit", standalone_mode=False)
+    except click.UsageError as exc:  # click's default adds a Usage: block and a blank line
+        where = exc.ctx.command_path if exc.ctx is not None else "hvdkit"
+        message = exc.format_message()
+        hint = "" if "HINT:" in message else f" (see '{where} --help')"
+        click.echo(f"Error: {message}{hint}", err=True)
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -92,6 +92,8 @@ def ckpt_verify(paths: tuple[str, ...]) -> None:
         ok, message = verify_checkpoint(file)
         failed += not ok
         click.echo(f"OK      {file}" if ok else f"FAILED  {message}")  # message names the file
+    if failed:
+        click.echo(f"Error: {failed} of {len(files)} checkpoint(s) failed verification", err=True)
     sys.exit(1 if failed else 0)
 
 

@@ -7,6 +7,7 @@ specifications and their parameter files are checked against each other.
 
 from __future__ import annotations
 
+import difflib
 import os
 import shutil
 from collections.abc import Sequence
@@ -46,11 +47,32 @@ def check_train_args(args: Sequence[str], where: str = "after '--'") -> None:
     try:
         ctx = train_command.make_context("hvdkit train", list(args), resilient_parsing=False)
         build_train_config(ctx.params)
+    except click.NoSuchOption as exc:
+        raise click.UsageError(_unknown_option(exc, where)) from None
     except click.UsageError as exc:
         raise click.UsageError(f"training option {where}: {exc.format_message().rstrip('.')}. "
                                "HINT: see 'hvdkit train --help'") from None
     except ConfigError as exc:
         raise click.UsageError(f"training option {where}: {exc}") from None
+
+
+def _unknown_option(exc: click.NoSuchOption, where: str) -> str:
+    """'no such option' with the closest name among the outer command's and training's options."""
+    from .train_cmd import train_command
+
+    outer = click.get_current_context(silent=True)
+    ours = [o for p in outer.command.params for o in (*p.opts, *p.secondary_opts)
+            if o.startswith("--")] if outer is not None and outer.command is not train_command else []
+    theirs = [o for p in train_command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("--")]
+    name = exc.option_name
+    close = difflib.get_close_matches(name, ours + theirs, n=1, cutoff=0.75)
+    prefix = [o for o in ours + theirs if o.startswith(name)]
+    guess = prefix[0] if len(prefix) == 1 else (close[0] if close else None)
+    if guess in ours:
+        return (f"{name} is not a training option (it came {where}); did you mean "
+                f"'{outer.command_path} {guess}' (before '--')? HINT: see '{outer.command_path} --help'")
+    hint = f"did you mean {guess}? " if guess else ""
+    return f"training option {where}: no such option {name}. HINT: {hint}see 'hvdkit train --help'"
 
 
 def check_program(args: Sequence[str], venv: str | None = None) -> None:

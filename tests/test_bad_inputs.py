@@ -1,0 +1,110 @@
+"""Hostile input, table-driven: every mistake is refused at once, in at most 3 lines, writing nothing.
+
+Each row is one command a user might type, the exit status it must end with (2 = usage,
+caught before anything runs; 1 = found at run time), and words the message must hold.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import HVDKIT, base_env
+
+CASES = [
+    # hvdkit slurm: all caught when the script is generated
+    ("slurm -o x.sbatch --array 5-2", 2, "runs backwards"),
+    ("slurm -o x.sbatch --array 0-2 --array-params missing.txt", 2, "missing.txt"),
+    ("slurm -o x.sbatch --array 0-2 --array-params one-line.txt", 2, "has 1 line(s) but --array 0-2 needs 3"),
+    ("slurm -o x.sbatch --array 0-4%0", 2, "--array"),
+    ("slurm -o x.sbatch -- --bogus-flag", 2, "no such option --bogus-flag"),
+    ("slurm -o x.sbatch -- --lr abc", 2, "'--lr': 'abc'"),
+    ("slurm -o x.sbatch -- --epochs -1", 2, "--epochs"),
+    ("slurm -o x.sbatch --ntasks-per-node 2", 2, "use hvdkit's --tasks-per-node"),
+    ("slurm -o x.sbatch --tasks-per-nod 2", 2, "did you mean 'hvdkit slurm --tasks-per-node'"),
+    ("slurm -o x.sbatch --backend ddp --srun-mpi pmix", 2, "--srun-mpi pmix with --backend ddp"),
+    ("slurm -o x.sbatch --nodes 0", 2, "--nodes"),
+    ("slurm -o x.sbatch --time 99:99:99:99", 2, "is not a Slurm time limit"),
+    ("slurm -o x.sbatch --backend mxnet", 2, "'mxnet' is not one of"),
+    ("slurm -o x.sbatch -- noexec.py --epochs 1", 2, "noexec.py"),
+    ("slurm -o x.sbatch -- ./missing.py", 2, "does not exist"),
+    # hvdkit run: refused before any launcher starts
+    ("run -np 0", 2, "'-np' / '--np'"),
+    ("run --iface nosuch0 -- --epochs 1", 1, "network interface 'nosuch0'"),
+    ("run --elastic -- --epochs 1", 2, "--elastic needs --host-discovery-script"),
+    ("run -- --lrr 0.1", 2, "did you mean --lr?"),
+    ("run -- ./missing.py", 2, "does not exist"),
+    # hvdkit train: bad options, bad data (before the first step)
+    ("train --lr -1", 2, "'--lr'"),
+    ("train --model resnet", 2, "'resnet' is not one of"),
+    ("train --config missing.yaml", 2, "cannot read missing.yaml"),
+    ("train --global-batch-size 3 --exact-batch --accumulation-steps 2", 1, "does not divide"),
+    ("train --data missing.h5", 1, "does not exist"),
+    ("train --data one-line.txt --model tiny", 1, "not an HDF5 file"),
+    ("train --data tiny.h5 --model mlp", 1, "model mlp expects (64,)"),
+    ("train --data badlabel.h5 --model tiny", 1, "'y'[3] = 99 is outside model tiny's 4 classes"),
+    ("train --data float64.h5 --model tiny", 1, "has dtype float64, expected float32"),
+    ("train --data nokeys.h5 --model tiny", 1, "no dataset 'x'"),
+    # hvdkit ckpt / data / sweep / bench
+    ("ckpt show missing.h5", 1, "does not exist"),
+    ("ckpt show one-line.txt", 1, "damaged header or is not a checkpoint"),
+    ("ckpt show damaged.h5", 1, "SHA-256 of its content does not match"),
+    ("ckpt verify damaged.h5", 1, "FAILED"),
+    ("ckpt show .", 1, "has no 'latest' checkpoint pointer"),
+    ("data check badlabel.h5 --model tiny", 1, "is outside model tiny's"),
+    ("data check nan.h5", 1, "'x'[5] holds NaN/inf"),
+    ("data make-synthetic /proc/x.h5", 1, "cannot write dataset /proc/x.h5"),
+    ("data make-synthetic out.h5 --num-samples 0", 2, "--num-samples"),
+    ("sweep", 2, "Missing argument 'SPACE'"),
+    ("sweep badspace.yaml", 1, "exactly one of 'grid' or 'random'"),
+    ("bench --bogus", 2, "No such option"),
+]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """Files the bad commands point at, made once; each test copies nothing and must add nothing."""
+    from hvdkit.checkpoint import Snapshot, write_checkpoint
+    from hvdkit.data import make_synthetic_h5
+    from hvdkit.models import build_model
+
+    d = tmp_path_factory.mktemp("inputs")
+    (d / "one-line.txt").write_text("--lr 0.1\n")
+    (d / "noexec.py").write_text("print('hi')\n")
+    (d / "badspace.yaml").write_text("metric: final_loss\nfixed: {model: tiny}\n")
+    make_synthetic_h5(d / "tiny.h5", "tiny", 64)
+    for name, edit in (("badlabel.h5", lambda f: f["y"].__setitem__(3, 99)),
+                       ("nan.h5", lambda f: f["x"].__setitem__(5, np.full(8, np.nan, np.float32)))):
+        make_synthetic_h5(d / name, "tiny", 64)
+        with h5py.File(d / name, "r+") as f:
+            edit(f)
+    with h5py.File(d / "float64.h5", "w") as f:
+        f["x"], f["y"] = np.zeros((4, 8)), np.zeros(4, dtype=np.int64)
+    with h5py.File(d / "nokeys.h5", "w") as f:
+        f["images"] = np.zeros((4, 8), np.float32)
+    ckpt = write_checkpoint(d / "damaged.h5", Snapshot(model=build_model("tiny").state_dict()))
+    data = bytearray(ckpt.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    ckpt.write_bytes(bytes(data))
+    return d
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command,code,words", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_short_error_and_writes_nothing(inputs, command, code, words):
+    before = sorted(p.name for p in inputs.iterdir())
+    proc = subprocess.run([*HVDKIT, *command.split()], cwd=inputs, env=base_env(), capture_output=True,
+                          text=True, timeout=50)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == code, proc.stderr
+    assert 1 <= len(lines) <= 3 and "Traceback" not in proc.stderr, proc.stderr
+    assert words in proc.stdout + proc.stderr
+    assert sorted(p.name for p in inputs.iterdir()) == before, "a refused command wrote a file"
+
+
+def test_the_table_is_wide():
+    assert len(CASES) >= 30 and {c[0].split()[0] for c in CASES} >= {"slurm", "run", "train", "ckpt",
+                                                                      "sweep", "data"}
