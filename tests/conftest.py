@@ -84,6 +84,29 @@ def check(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout
 
 
+def bit_rotten_dataset(path: Path, bad_sample: int, num_samples: int = 256) -> Path:
+    """A 'tiny' dataset whose sample ``bad_sample`` fails its Fletcher-32 check when read.
+
+    Everything else reads fine and the up-front data check (keys, shapes, labels)
+    passes, so the one rank whose shard holds that sample fails mid-training.
+    """
+    import h5py
+
+    from hvdkit.data import make_synthetic_h5
+
+    clean = make_synthetic_h5(path.with_suffix(".clean.h5"), "tiny", num_samples)
+    with h5py.File(clean, "r") as src, h5py.File(path, "w") as dst:
+        dst.create_dataset("x", data=src["x"][()], chunks=(1, 8), fletcher32=True)
+        dst["y"] = src["y"][()]
+    clean.unlink()
+    with h5py.File(path, "r") as f:
+        offset = f["x"].id.get_chunk_info_by_coord((bad_sample, 0)).byte_offset + 5
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+    return path
+
+
 @pytest.fixture
 def launcher():
     return launch

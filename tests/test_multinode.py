@@ -343,3 +343,26 @@ def test_elastic_across_nodes_survives_a_lost_node(tmp_path, nodes_restored):
     assert resets[:2] == ["1", "2"], resets
     done = re.search(r"done: backend=horovod world=(\d) .*params_identical_on_all_ranks=True", text)
     assert done and done.group(1) == "2", text[-3000:]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("backend", ["ddp", "horovod"])
+def test_an_exception_on_one_node_ends_the_job_promptly_under_srun(tmp_path, backend):
+    """srun --kill-on-bad-exit: one unreadable sample on node2's shard fails that rank mid-epoch;
+    the job ends FAILED within seconds, with one line naming rank, node and cause."""
+    from conftest import bit_rotten_dataset
+
+    data = bit_rotten_dataset(tmp_path / "rot.h5", 77)
+    script = render(tmp_path, f"rot-{backend}", "--backend", backend, "-N", "2", "--tasks-per-node", "1",
+                    "--", "--model", "tiny", "--data", str(data), "--epochs", "2", "--batch-size", "8",
+                    "--ddp-timeout", "900")
+    t0 = time.monotonic()
+    job = sbatch(script, tmp_path)
+    assert wait_done(job, timeout=150) == "FAILED"
+    assert time.monotonic() - t0 < 60  # submit to FAILED: not the 900 s --ddp-timeout
+    log = (tmp_path / f"rot-{backend}-{job}.out").read_text()
+    errors = re.findall(rf"Error: rank (\d)/2 \({backend}\) on (node\d) failed: OSError: Can't "
+                        r"synchronously read data", log)
+    assert len(errors) == 1, log[-4000:]
+    rank, node = errors[0]
+    assert node == f"node{int(rank) + 1}"  # one task per node, in rank order
