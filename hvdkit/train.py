@@ -280,7 +280,7 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
             loss_sum = torch.tensor(_resumed_loss_sum(state, backend), dtype=torch.float64, device=device)
             model.train()
             t0 = time.perf_counter()
-            for _ in range(first_step, geo.steps_per_epoch):
+            for step_in_epoch in range(first_step, geo.steps_per_epoch):
                 # Agree on preemption and earlier non-finite losses while this step computes.
                 agreement = backend.start_any_flags([guard.requested, watch.flag()])
                 loss = train_step(backend, model, optimizer, batches, accum, device)
@@ -297,7 +297,9 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
 
                 stop, nonfinite = agreement()  # the same answers on every rank
                 limit = cfg.max_steps is not None and state.global_step >= cfg.max_steps
-                periodic = cfg.checkpoint_every and state.global_step % cfg.checkpoint_every == 0
+                # the epoch's last step is saved by the epoch-end checkpoint just below
+                periodic = (cfg.checkpoint_every and state.global_step % cfg.checkpoint_every == 0
+                            and step_in_epoch + 1 < geo.steps_per_epoch)
                 wants_save = bool(ckpt and (stop or limit or periodic))
                 check_nonfinite(nonfinite and not watch.warned, before_save=wants_save)
                 if wants_save:

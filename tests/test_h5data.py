@@ -59,7 +59,7 @@ def test_each_rank_reads_only_its_shard(h5file):
 def test_missing_file_or_key(tmp_path, h5file):
     with pytest.raises(HvdkitError, match="does not exist"):
         H5Dataset(tmp_path / "nope.h5")
-    with pytest.raises(HvdkitError, match="has no dataset 'images'"):
+    with pytest.raises(HvdkitError, match="no dataset 'images'"):
         H5Dataset(h5file, x_key="images")
 
 

@@ -128,3 +128,23 @@ def test_sigkill_rank0_mid_write_never_loses_the_previous_checkpoint(tmp_path):
     steps = re.findall(r"rank (\d) restored step (\d+) value (\S+)", out)
     assert len(steps) == 2 and steps[0][1:] == steps[1][1:]
     assert float(steps[0][2]) == float(steps[0][1])  # weights match the step they were saved at
+
+
+def test_a_step_is_checkpointed_once_when_an_epoch_ends_on_checkpoint_every(tmp_path, monkeypatch):
+    """6 steps per epoch, --checkpoint-every 3: steps 3, 6, 9, 12 are each written once."""
+    import hvdkit.checkpoint as ckmod
+    from hvdkit.cli.train_cmd import build_train_config, train_command
+    from hvdkit.train import train
+
+    written: list[str] = []
+    real = ckmod.write_checkpoint
+    monkeypatch.setattr(ckmod, "write_checkpoint", lambda path, snap: written.append(path.name) or real(path, snap))
+    ctx = train_command.make_context("train", ["--model", "tiny", "--epochs", "2", "--steps-per-epoch", "6",
+                                               "--num-samples", "256", "--batch-size", "8",
+                                               "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "3",
+                                               "--keep-checkpoints", "10"])
+    result = train(build_train_config(ctx.params))
+    assert result.global_step == 12
+    assert written == [f"ckpt-{s:09d}.h5" for s in (3, 6, 9, 12)]
+    state = read_checkpoint(tmp_path / "ckpt-000000006.h5").state  # the epoch-end one
+    assert (state.epoch, state.samples_in_epoch) == (1, 0)
