@@ -24,6 +24,7 @@ __all__ = [
 BACKENDS = ("horovod", "ddp", "local")
 # the example models of hvdkit.models, named here so that validating a config needs no torch
 MODEL_NAMES = ("cnn", "mlp", "tiny")
+PRECISIONS = ("fp32", "bf16", "fp16")  # hvdkit.precision implements them
 COMPRESSIONS = ("none", "fp16")
 HOROVOD_OPS = ("average", "sum", "adasum")
 HOROVOD_REDUCERS = ("bucketed", "stock")
@@ -179,6 +180,7 @@ class TrainConfig:
     requeue: bool = True
     log_every: int = 0
     on_nonfinite: str = "stop"  # stop | warn at the first NaN/inf loss on any rank
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast; fp16 with a gradient scaler)
     metrics_file: str | None = None
     elastic: bool = False
     commit_every: int = 10
@@ -188,6 +190,10 @@ class TrainConfig:
         _choice("model", self.model, MODEL_NAMES)
         _choice("optimizer", self.optimizer, ("sgd", "adam", "adamw"))
         _choice("on_nonfinite", self.on_nonfinite, ("stop", "warn"))
+        _choice("precision", self.precision, PRECISIONS)
+        if self.elastic and self.precision != "fp32":
+            raise ConfigError("--precision with --elastic is not supported yet (the elastic loop "
+                              "does not checkpoint a gradient scaler)", "train elastic runs in fp32")
         for name in ("epochs", "batch_size", "num_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", f"raise {name}")

@@ -33,6 +33,7 @@ from .errors import ConfigError, HvdkitError
 from .fileio import write_json_atomic
 from .models import build_model, synthetic_dataset
 from .nonfinite import NonFiniteWatch
+from .precision import autocast, make_scaler
 from .preemption import PreemptionGuard, requeue_slurm_job
 from .profiling import step_profiler
 
@@ -162,22 +163,26 @@ def _first_line(exc: BaseException) -> str:
 
 def train_step(backend: Backend, model: nn.Module, optimizer: torch.optim.Optimizer,
                batches: Iterator[tuple[torch.Tensor, torch.Tensor]], accum: int,
-               device: torch.device) -> torch.Tensor:
+               device: torch.device, precision: str = "fp32",
+               scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
     """One optimizer step over ``accum`` micro-batches; returns the step's mean loss (on device).
 
     Only the last micro-batch communicates (DDP ``no_sync`` / Horovod
     ``backward_passes_per_step``); dividing each loss by ``accum`` makes the
-    summed gradient the mean over the whole global batch.
+    summed gradient the mean over the whole global batch. With bf16/fp16 the
+    forward pass runs under autocast; fp16 scales the loss (``scaler``) and the
+    backend applies the step in the order its reduction needs.
     """
     total = torch.zeros((), dtype=torch.float64, device=device)
     for micro in range(accum):
         x, y = next(batches)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with backend.accumulate(model, sync=micro == accum - 1):
-            loss = nn.functional.cross_entropy(model(x), y) / accum
-            loss.backward()
+            with autocast(precision, device):
+                loss = nn.functional.cross_entropy(model(x), y) / accum
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         total += loss.detach()
-    optimizer.step()
+    backend.optimizer_step(optimizer, scaler)
     optimizer.zero_grad()
     return total
 
@@ -234,15 +239,16 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
         optimizer, lambda step: warmup_factor(step, warmup_steps, lr_scale)
     )
 
+    scaler = make_scaler(cfg.precision, backend.device)  # fp16 only; its state is checkpointed
     ckpt = CheckpointManager(cfg.checkpoint_dir, backend, cfg.keep_checkpoints) if cfg.checkpoint_dir else None
-    state = ckpt.restore(model, optimizer, scheduler) if (ckpt and cfg.resume) else None
+    state = ckpt.restore(model, optimizer, scheduler, scaler) if (ckpt and cfg.resume) else None
     if state is None:
         if not (ckpt and cfg.resume):  # restore() already broadcast rank 0's weights
             backend.broadcast_state(model, optimizer)
         state = TrainingState()
     result.epoch_losses = list(state.extra.get("epoch_losses", []))
     if master:
-        log(f"{backend.describe()}; world {size}, batch {geo.batch}/rank, global {geo.global_batch}, "
+        log(f"{backend.describe()}; {cfg.precision}; world {size}, batch {geo.batch}/rank, global {geo.global_batch}, "
             f"lr {cfg.lr * lr_scale:g}, {geo.steps_per_epoch} steps/epoch, "
             f"{result.topology['nodes']} node(s) {' '.join(result.topology['hosts'])}, start step "
             f"{state.global_step}, slurm restarts {os.environ.get('SLURM_RESTART_COUNT', '0')}")
@@ -257,7 +263,7 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
             return
         state.extra = {"loss_sums": backend.gather_objects(float(loss_sum)),
                        "epoch_losses": result.epoch_losses}
-        path = ckpt.save(model, optimizer, scheduler, state, skip_nonfinite=watch.mode == "warn")
+        path = ckpt.save(model, optimizer, scheduler, state, scaler, skip_nonfinite=watch.mode == "warn")
         saved["step"] = state.global_step
         saved["path"] = path.name if path is not None else saved["path"]
 
@@ -283,7 +289,7 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
             for step_in_epoch in range(first_step, geo.steps_per_epoch):
                 # Agree on preemption and earlier non-finite losses while this step computes.
                 agreement = backend.start_any_flags([guard.requested, watch.flag()])
-                loss = train_step(backend, model, optimizer, batches, accum, device)
+                loss = train_step(backend, model, optimizer, batches, accum, device, cfg.precision, scaler)
                 watch.record(loss, state.global_step + 1)
                 loss_sum += loss
                 scheduler.step()

@@ -101,6 +101,20 @@ class Backend(ABC):
         """Context for one micro-batch's backward; ``sync=False`` skips communication."""
         yield
 
+    def optimizer_step(self, optimizer: torch.optim.Optimizer,
+                       scaler: torch.amp.GradScaler | None = None) -> None:
+        """Apply the reduced gradients, through ``scaler`` (fp16) when given.
+
+        DDP has reduced the (scaled) gradients during backward, so the scaler's
+        usual ``step``/``update`` is right. Horovod overrides this: it reduces
+        inside ``optimizer.step()``, so unscaling must wait for ``synchronize()``.
+        """
+        if scaler is None:
+            optimizer.step()
+            return
+        scaler.step(optimizer)
+        scaler.update()
+
     # -- collectives --------------------------------------------------------------
     @abstractmethod
     def broadcast_state(

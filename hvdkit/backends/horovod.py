@@ -128,6 +128,24 @@ class HorovodBackend(Backend):
             raise HvdkitError(f"Horovod rejected the optimizer options: {exc}", "see hvdkit train --help") from None
         return model, dist_opt
 
+    def optimizer_step(self, optimizer: torch.optim.Optimizer,
+                       scaler: torch.amp.GradScaler | None = None) -> None:
+        """Horovod's documented AMP order: reduce, then unscale, then step without reducing again.
+
+        ``scaler.step()`` alone would unscale the *local* gradients before
+        ``optimizer.step()`` reduces them, and the reduction would then overwrite
+        them with the still-scaled sum: a step ``scale`` times too large, and an
+        inf/NaN check that saw only this rank's gradients.
+        """
+        if scaler is None:
+            optimizer.step()
+            return
+        optimizer.synchronize()
+        scaler.unscale_(optimizer)
+        with optimizer.skip_synchronize():
+            scaler.step(optimizer)
+        scaler.update()
+
     def broadcast_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, root: int = 0
     ) -> None:

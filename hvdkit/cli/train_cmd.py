@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ..config import BACKENDS, MODEL_NAMES, BackendConfig, DDPOptions, HorovodOptions, TrainConfig
+from ..config import BACKENDS, MODEL_NAMES, PRECISIONS, BackendConfig, DDPOptions, HorovodOptions, TrainConfig
 from ..errors import HvdkitError
 from .common import config_option, translate_errors
 
@@ -95,6 +95,9 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
 @_opt("--keep-checkpoints", type=click.IntRange(min=1), default=_TRAIN["keep_checkpoints"])
 @_opt("--resume/--no-resume", default=True, help="Resume from the newest valid checkpoint.")
 @_opt("--requeue/--no-requeue", default=True, help="On SIGUSR1 under Slurm: checkpoint and requeue.")
+@_opt("--precision", type=click.Choice(PRECISIONS), default=_TRAIN["precision"],
+      help="Autocast the forward pass to bf16 or fp16 (fp16 with a dynamic gradient scaler, "
+           "checkpointed); parameters and optimizer stay fp32. bf16 works on CPUs too.")
 @_opt("--on-nonfinite", type=click.Choice(["stop", "warn"]), default=_TRAIN["on_nonfinite"],
       help="At the first NaN/inf loss on any rank: stop with an error (no checkpoint of it), "
            "or warn and go on (checkpoints with NaN/inf weights are skipped).")
