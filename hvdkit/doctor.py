@@ -198,6 +198,42 @@ def check_gpus() -> Check:
     return Check("gpus", code == 0, out.replace("\n", "; ") or "none", "check the NVIDIA driver")
 
 
+def gpu_stack_verdict(gpus: int, torch_cuda: bool, hvd_nccl: bool | None) -> Check:
+    """Whether GPUs this machine has are used properly: CUDA torch, Horovod with NCCL ops.
+
+    ``hvd_nccl`` is None when Horovod is not installed (then only torch matters).
+    """
+    fix = "HVDKIT_CUDA=auto ./scripts/setup.sh (CUDA torch, Horovod built with NCCL ops)"
+    if gpus == 0:
+        return Check("gpu stack", True, "no NVIDIA GPU: CPU paths (gloo)")
+    if not torch_cuda:
+        return Check("gpu stack", False, f"{gpus} GPU(s) but torch is a CPU build: training would "
+                     "run on the CPU", fix, ("gpu",))
+    if hvd_nccl is False:
+        return Check("gpu stack", False, f"{gpus} GPU(s), CUDA torch, but Horovod has no NCCL ops: "
+                     "its allreduce would go through host memory", fix, ("gpu",))
+    tail = "Horovod with NCCL ops" if hvd_nccl else "no Horovod"
+    return Check("gpu stack", True, f"{gpus} GPU(s), CUDA torch (NCCL for DDP), {tail}")
+
+
+def check_gpu_stack() -> Check:
+    code, out = _cmd(["nvidia-smi", "-L"]) if shutil.which("nvidia-smi") else (1, "")
+    gpus = sum(1 for line in out.splitlines() if line.startswith("GPU ")) if code == 0 else 0
+    try:
+        import torch
+
+        torch_cuda = torch.cuda.is_available()
+    except ImportError:
+        torch_cuda = False
+    try:
+        import horovod.torch as hvd
+
+        hvd_nccl: bool | None = bool(hvd.nccl_built())
+    except ImportError:
+        hvd_nccl = None
+    return gpu_stack_verdict(gpus, torch_cuda, hvd_nccl)
+
+
 def check_shellcheck() -> Check:
     return Check("shellcheck", bool(shutil.which("shellcheck")),
                  "present" if shutil.which("shellcheck") else "missing (only needed to lint scripts)",
@@ -205,7 +241,8 @@ def check_shellcheck() -> Check:
 
 
 CHECKS: tuple[Callable[[], Check], ...] = (check_python, check_torch, check_horovod, check_horovodrun,
-                                           check_mpi, check_mpi4py, check_slurm, check_gpus, check_shellcheck)
+                                           check_mpi, check_mpi4py, check_slurm, check_gpus, check_gpu_stack,
+                                           check_shellcheck)
 
 
 def run_checks() -> list[Check]:

@@ -8,10 +8,19 @@
 #   4. mpi4py built against the system Open MPI, then hvdkit itself (editable)
 #
 # Environment knobs: HVDKIT_VENV (default ./.venv), HVDKIT_CACHE
-# (default ~/.cache/hvdkit), HVDKIT_SKIP_APT=1 to skip system packages.
+# (default ~/.cache/hvdkit), HVDKIT_SKIP_APT=1 to skip system packages,
+# HVDKIT_CUDA=auto|none|12|13 (GPU machines: CUDA torch + Horovod with NCCL ops; see
+# scripts/setup_plan.py), HVDKIT_TORCH_INDEX (a torch wheel index for the CUDA build).
+# `scripts/setup.sh --plan` prints what would be installed and built, and changes nothing.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PLAN_PY="$(command -v python3.11 || command -v python3)"
+if [ "${1:-}" = "--plan" ]; then
+  exec "$PLAN_PY" "$ROOT/scripts/setup_plan.py" --explain
+fi
+PLAN="$("$PLAN_PY" "$ROOT/scripts/setup_plan.py")" || exit 2
+eval "$PLAN"
 VENV="${HVDKIT_VENV:-$ROOT/.venv}"
 CACHE="${HVDKIT_CACHE:-$HOME/.cache/hvdkit}"
 PYTHON="${PYTHON:-python3.11}"
@@ -44,12 +53,16 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip --disable-pip-version-check -q)
-if ! "$PY" -c "import torch,sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
-  log "installing torch==$TORCH_VERSION (CPU build) and build tools"
+# the torch wanted: this version, and CUDA major $PLAN_CUDA ("none": the CPU build)
+TORCH_OK="import torch,sys; c=torch.version.cuda; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION' or (c.split('.')[0] if c else 'none') != '$PLAN_CUDA')"
+if ! "$PY" -c "$TORCH_OK" 2>/dev/null; then
+  log "installing torch==$TORCH_VERSION (cuda: $PLAN_CUDA; $PLAN_REASON) and build tools"
   "${PIP[@]}" install --upgrade pip
-  "${PIP[@]}" install "torch==$TORCH_VERSION" numpy setuptools wheel 'cmake>=3.13,<4' packaging
+  # shellcheck disable=SC2086  # PLAN_TORCH_PIP_ARGS is a list of words from setup_plan.py
+  "${PIP[@]}" install $PLAN_TORCH_PIP_ARGS "$PLAN_TORCH_SPEC"
+  "${PIP[@]}" install numpy setuptools wheel 'cmake>=3.13,<4' packaging
 else
-  log "torch $TORCH_VERSION present"
+  log "torch $TORCH_VERSION present (cuda: $PLAN_CUDA)"
 fi
 
 # --- 3. Horovod, patched for C++17, cached as a wheel --------------------------
@@ -57,11 +70,13 @@ PYTAG="$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[
 # Patches applied to the sdist; part of the cache key and recorded in the venv, so a
 # change here rebuilds once and an older build is never mistaken for this one.
 HOROVOD_PATCHES="cxx17+gloo-iface"
-WHEEL_DIR="$CACHE/wheels/horovod-$HOROVOD_VERSION-$HOROVOD_PATCHES-torch$TORCH_VERSION-$PYTAG"
+# CPU key unchanged; a CUDA build adds -cu<major>-sm<archs> (PLAN_CACHE_SUFFIX)
+WHEEL_DIR="$CACHE/wheels/horovod-$HOROVOD_VERSION-$HOROVOD_PATCHES-torch$TORCH_VERSION-$PYTAG$PLAN_CACHE_SUFFIX"
 PATCH_MARK="$VENV/.hvdkit-horovod-patches"
-if [ "$(cat "$PATCH_MARK" 2>/dev/null)" = "$HOROVOD_PATCHES" ] && "$PY" - <<PYEOF 2>/dev/null
+if [ "$(cat "$PATCH_MARK" 2>/dev/null)" = "$HOROVOD_PATCHES$PLAN_CACHE_SUFFIX" ] && "$PY" - <<PYEOF 2>/dev/null
 import sys, horovod, horovod.torch as hvd
-sys.exit(horovod.__version__ != "$HOROVOD_VERSION" or not hvd.gloo_built())
+sys.exit(horovod.__version__ != "$HOROVOD_VERSION" or not hvd.gloo_built()
+         or hvd.nccl_built() != ("$PLAN_CUDA" != "none"))
 PYEOF
 then
   log "horovod $HOROVOD_VERSION (torch, gloo) present"
@@ -73,19 +88,20 @@ else
     "${PIP[@]}" download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$BUILD"
     tar -xzf "$BUILD"/horovod-"$HOROVOD_VERSION".tar.gz -C "$BUILD"
     SRC="$BUILD/horovod-$HOROVOD_VERSION"
-    # PyTorch >= 2.1 headers require C++17; Horovod 0.28.1 pins C++14 in two places.
-    sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
-    grep -q 'CMAKE_CXX_STANDARD 17' "$SRC/horovod/torch/CMakeLists.txt"
-    # Horovod 0.28.1 bug: the Gloo contexts of process sets (the global process set carries
-    # every collective) build their TCP device from the new context's own, empty interface
-    # name instead of the global context's, so HOROVOD_GLOO_IFACE / horovodrun
-    # --network-interface are ignored for all data (found on the 2-node cluster: gradients
-    # went over eth0 with --iface eth1). Use the global context's interface.
-    GLOO_CTX="$SRC/horovod/common/gloo/gloo_context.cc"
-    sed -i '/^void GlooContext::InitializeForProcessSet/,/CreateDevice/ s/device_attr.iface = gloo_iface_;/gloo_iface_ = global_context.gloo_iface_;\n  device_attr.iface = gloo_iface_;/' "$GLOO_CTX"
-    grep -q 'gloo_iface_ = global_context.gloo_iface_;' "$GLOO_CTX"
+    "$ROOT/scripts/patch_horovod.sh" "$SRC"
+    GPU_ENV=()
+    if [ "$PLAN_CUDA" != none ]; then
+      # NCCL ops against the NCCL torch's CUDA wheels brought (nvidia-nccl-cu*); pip's CUDA
+      # compiler where no nvcc exists. Not yet run on a GPU machine: benchmarks/gpu_check.sh
+      # is the check that builds this way there.
+      # shellcheck disable=SC2086
+      [ -z "$PLAN_EXTRA_PACKAGES" ] || "${PIP[@]}" install $PLAN_EXTRA_PACKAGES
+      read -r -a GPU_ENV <<<"$PLAN_HOROVOD_ENV"
+      CUDA_VARS="$("$PY" "$ROOT/scripts/cuda_home.py" "$BUILD/cuda")"  # fails loudly if none
+      mapfile -t -O "${#GPU_ENV[@]}" GPU_ENV <<<"$CUDA_VARS"
+    fi
     mkdir -p "$WHEEL_DIR"
-    (cd "$SRC" && HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+    (cd "$SRC" && env "${GPU_ENV[@]}" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
       HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
       MAKEFLAGS="-j$(nproc)" "$PY" -m pip --disable-pip-version-check wheel -q \
       --no-build-isolation --no-deps -w "$WHEEL_DIR.tmp" . )
@@ -94,7 +110,7 @@ else
   log "installing cached horovod wheel from $WHEEL_DIR"
   "${PIP[@]}" install --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl
   "${PIP[@]}" install cloudpickle psutil pyyaml cffi   # horovod's runtime deps
-  echo "$HOROVOD_PATCHES" >"$PATCH_MARK"
+  echo "$HOROVOD_PATCHES$PLAN_CACHE_SUFFIX" >"$PATCH_MARK"
 fi
 
 # --- 4. mpi4py against the system MPI, then hvdkit ---------------------------------

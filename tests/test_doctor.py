@@ -35,3 +35,16 @@ def test_doctor_names_the_fix_for_missing_pieces(tmp_path):
     assert "[FAIL] slurm       missing: sbatch, srun, scontrol, sinfo" in out
     assert "not ready: " in out and "Slurm submission" in out.split("not ready: ")[1]
     assert proc.returncode == 0  # torch + Horovod/Gloo still usable locally
+
+
+def test_gpu_stack_verdict_names_what_is_missing():
+    from hvdkit.doctor import gpu_stack_verdict
+
+    assert gpu_stack_verdict(0, False, True).ok
+    cpu_torch = gpu_stack_verdict(8, False, True)
+    assert not cpu_torch.ok and "torch is a CPU build" in cpu_torch.detail and "HVDKIT_CUDA=auto" in cpu_torch.fix
+    no_nccl = gpu_stack_verdict(1, True, False)
+    assert not no_nccl.ok and "no NCCL ops" in no_nccl.detail and no_nccl.required_for == ("gpu",)
+    good = gpu_stack_verdict(4, True, True)
+    assert good.ok and "Horovod with NCCL ops" in good.detail
+    assert gpu_stack_verdict(1, True, None).ok  # DDP alone needs no Horovod
