@@ -181,6 +181,8 @@ class TrainConfig:
     log_every: int = 0
     on_nonfinite: str = "stop"  # stop | warn at the first NaN/inf loss on any rank
     precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast; fp16 with a gradient scaler)
+    asha_dir: str | None = None  # a sweep's ASHA directory: judge this trial at each rung
+    asha_trial: int | None = None
     metrics_file: str | None = None
     elastic: bool = False
     commit_every: int = 10
@@ -191,6 +193,11 @@ class TrainConfig:
         _choice("optimizer", self.optimizer, ("sgd", "adam", "adamw"))
         _choice("on_nonfinite", self.on_nonfinite, ("stop", "warn"))
         _choice("precision", self.precision, PRECISIONS)
+        if (self.asha_dir is None) != (self.asha_trial is None):
+            raise ConfigError("--asha-dir and --asha-trial go together",
+                              "let 'hvdkit sweep --scheduler asha' pass both")
+        if self.elastic and self.asha_dir is not None:
+            raise ConfigError("--asha-dir with --elastic is not supported", "sweep trials run without --elastic")
         if self.elastic and self.precision != "fp32":
             raise ConfigError("--precision with --elastic is not supported yet (the elastic loop "
                               "does not checkpoint a gradient scaler)", "train elastic runs in fp32")

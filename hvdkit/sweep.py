@@ -9,10 +9,14 @@ Space file::
     grid:   {lr: [0.005, 0.02], momentum: [0.5, 0.9]}
     # or
     random: {trials: 8, seed: 0, params: {lr: {loguniform: [1.0e-3, 1.0e-1]}, optimizer: [sgd, adam]}}
+    scheduler: asha             # optional: stop bad trials early (hvdkit.asha); none is the default
+    eta: 3                      # keep the best 1/eta at each rung
+    grace: 1                    # first rung, in epochs; rungs at grace * eta**k below fixed.epochs
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -26,10 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .asha import AshaConfig, write_config
 from .errors import ConfigError
 
-__all__ = ["SweepSpec", "load_space", "expand_trials", "trial_args", "write_trials", "run_local",
-           "collect_results", "results_table"]
+__all__ = ["SweepSpec", "load_space", "expand_trials", "trial_args", "trial_command", "write_trials",
+           "run_local", "collect_results", "results_table", "sweep_status", "budget_used"]
 
 
 @dataclass(frozen=True)
@@ -41,12 +46,30 @@ class SweepSpec:
     fixed: dict[str, Any] = field(default_factory=dict)
     grid: dict[str, list[Any]] = field(default_factory=dict)
     random: dict[str, Any] = field(default_factory=dict)
+    scheduler: str = "none"  # or "asha": stop bad trials at rungs (hvdkit.asha)
+    eta: int = 3
+    grace: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in ("min", "max"):
             raise ConfigError(f"mode {self.mode!r} is not min or max", "set mode: min or mode: max")
         if bool(self.grid) == bool(self.random):
             raise ConfigError("a sweep needs exactly one of 'grid' or 'random'", "see hvdkit sweep --help")
+        if self.scheduler not in ("none", "asha"):
+            raise ConfigError(f"scheduler {self.scheduler!r} is not none or asha", "use scheduler: asha or none")
+        if self.scheduler == "asha":
+            if self.metric != "final_loss":
+                raise ConfigError(f"asha judges trials by their epoch loss, not {self.metric!r}",
+                                  "use metric: final_loss with scheduler: asha")
+            self.asha_config()  # validates eta, grace and the budget now, not in a trial
+
+    def asha_config(self) -> AshaConfig:
+        """Rungs and rule for this sweep; the budget is ``fixed: {epochs: N}``."""
+        budget = self.fixed.get("epochs")
+        if not isinstance(budget, int) or budget < 2:
+            raise ConfigError("scheduler: asha needs the trial budget as fixed: {epochs: N} with N >= 2",
+                              "add epochs to fixed:, e.g. fixed: {epochs: 9}")
+        return AshaConfig(budget=budget, eta=self.eta, grace=self.grace, mode=self.mode)
 
 
 def load_space(path: str | os.PathLike[str]) -> SweepSpec:
@@ -58,10 +81,11 @@ def load_space(path: str | os.PathLike[str]) -> SweepSpec:
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read sweep space {path}: {str(exc).splitlines()[0]}",
                           "pass a YAML file with grid: or random:") from None
-    unknown = set(data) - {"metric", "mode", "fixed", "grid", "random"}
+    keys = {"metric", "mode", "fixed", "grid", "random", "scheduler", "eta", "grace"}
+    unknown = set(data) - keys
     if unknown:
         raise ConfigError(f"unknown key(s) in {path}: {', '.join(sorted(unknown))}",
-                          "use metric, mode, fixed, grid, random")
+                          f"use {', '.join(sorted(keys))}")
     return SweepSpec(**data)
 
 
@@ -104,17 +128,28 @@ def trial_args(params: dict[str, Any]) -> list[str]:
     return out
 
 
+def trial_command(out: Path, spec: SweepSpec, trial: int, params: dict[str, Any]) -> list[str]:
+    """The ``hvdkit train`` options of one trial (with its ASHA directory and number)."""
+    args = trial_args({**spec.fixed, **params})
+    if spec.scheduler == "asha":
+        args += ["--asha-dir", str(out / "asha"), "--asha-trial", str(trial)]
+    return args
+
+
 def write_trials(out: Path, spec: SweepSpec) -> list[dict[str, Any]]:
-    """Write ``trials/trial-NNN.json`` and ``params.txt`` (one line of options per trial)."""
+    """Write ``trials/trial-NNN.json``, ``params.txt`` (one line of options per trial), ``asha/``."""
     import shlex
 
     trials = expand_trials(spec)
     (out / "trials").mkdir(parents=True, exist_ok=True)
+    if spec.scheduler == "asha":
+        write_config(out / "asha", spec.asha_config())
     lines = []
     for i, params in enumerate(trials):
         (out / "trials" / f"trial-{i:03d}.json").write_text(json.dumps({"trial": i, "params": params}) + "\n")
-        lines.append(" ".join(shlex.quote(a) for a in trial_args({**spec.fixed, **params})))
+        lines.append(" ".join(shlex.quote(a) for a in trial_command(out, spec, i, params)))
     (out / "params.txt").write_text("\n".join(lines) + "\n")
+    (out / "spec.json").write_text(json.dumps(dataclasses.asdict(spec), indent=2) + "\n")
     return trials
 
 
@@ -130,7 +165,7 @@ def run_local(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend:
         while pending and len(running) < parallel:
             i, params = pending.pop(0)
             argv = [sys.executable, "-m", "hvdkit"]
-            train = [*trial_args({**spec.fixed, **params}), "--metrics-file", str(results / f"local-{i}.json")]
+            train = [*trial_command(out, spec, i, params), "--metrics-file", str(results / f"local-{i}.json")]
             argv += (["run", "-np", str(np), "--backend", backend, *train] if np > 1
                      else ["train", "--backend", "local", *train])
             log = open(out / "trials" / f"trial-{i:03d}.log", "wb")  # noqa: SIM115 - closed below
@@ -151,7 +186,7 @@ _TASK = re.compile(r"-(\d+)\.json$")
 
 
 def collect_results(out: Path, spec: SweepSpec) -> list[dict[str, Any]]:
-    """One row per trial: its params, the metric (None if it failed) and the source file."""
+    """One row per trial: params, status, epochs trained, the metric, the loss curve, the file."""
     trials = [json.loads(p.read_text()) for p in sorted((out / "trials").glob("trial-*.json"))]
     found: dict[int, Path] = {}
     for path in (out / "results").glob("*.json"):
@@ -161,46 +196,94 @@ def collect_results(out: Path, spec: SweepSpec) -> list[dict[str, Any]]:
     rows = []
     for t in sorted(trials, key=lambda t: t["trial"]):
         path = found.get(t["trial"])
-        value = json.loads(path.read_text()).get(spec.metric) if path else None
-        rows.append({"trial": t["trial"], "params": t["params"], spec.metric: value,
+        data = json.loads(path.read_text()) if path else {}
+        curve = [float(v) for v in data.get("epoch_losses", [])]
+        status = data.get("status", "completed") if path else "failed"
+        rows.append({"trial": t["trial"], "params": t["params"], "status": status, "epochs": len(curve),
+                     spec.metric: data.get(spec.metric) if path else None, "curve": curve,
                      "file": str(path) if path else None})
     return rows
 
 
 def best_trial(rows: list[dict[str, Any]], spec: SweepSpec) -> dict[str, Any] | None:
-    ok = [r for r in rows if isinstance(r[spec.metric], (int, float)) and math.isfinite(r[spec.metric])]
+    """The best *completed* trial (a pruned trial's early value is not comparable)."""
+    ok = [r for r in rows if r["status"] == "completed" and isinstance(r[spec.metric], (int, float))
+          and math.isfinite(r[spec.metric])]
     if not ok:
         return None
     return (min if spec.mode == "min" else max)(ok, key=lambda r: r[spec.metric])
 
 
+def budget_used(rows: list[dict[str, Any]], spec: SweepSpec) -> tuple[int, int]:
+    """(trial-epochs trained, trial-epochs a full grid would train)."""
+    budget = int(spec.fixed.get("epochs", 2))
+    return sum(r["epochs"] for r in rows), budget * len(rows)
+
+
 def results_table(rows: list[dict[str, Any]], spec: SweepSpec) -> str:
-    """Markdown table, best trial marked."""
+    """Markdown table (trial, params, epochs reached, metric, status), best trial marked."""
     keys = sorted({k for r in rows for k in r["params"]})
     best = best_trial(rows, spec)
-    lines = ["| trial | " + " | ".join(keys) + f" | {spec.metric} |", "|---" * (len(keys) + 2) + "|"]
+    lines = ["| trial | " + " | ".join(keys) + f" | epochs | {spec.metric} | status |",
+             "|---" * (len(keys) + 4) + "|"]
     for r in rows:
         value = r[spec.metric]
-        shown = "failed" if value is None else f"{value:.6g}"
+        shown = "-" if value is None else f"{value:.6g}"
         mark = " (best)" if best is r else ""
         lines.append(f"| {r['trial']}{mark} | " + " | ".join(str(r["params"].get(k, "")) for k in keys)
-                     + f" | {shown} |")
+                     + f" | {r['epochs']} | {shown} | {r['status']} |")
+    used, full = budget_used(rows, spec)
+    lines.append(f"\ntrial-epochs used: {used} of {full} for a full grid ({used / max(full, 1):.0%})")
+    return "\n".join(lines) + "\n"
+
+
+def sweep_status(out: Path) -> str:
+    """Progress of a (possibly running) sweep: one line per trial from what is on disk."""
+    spec = SweepSpec(**json.loads((out / "spec.json").read_text()))
+    rows = collect_results(out, spec)
+    decided: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted((out / "asha" / "decisions").glob("trial-*.json")):
+        d = json.loads(path.read_text())
+        decided.setdefault(int(d["trial"]), []).append(d)
+    lines = [f"sweep {out} ({spec.scheduler}, {len(rows)} trials)"]
+    for r in rows:
+        status = r["status"]
+        rungs = decided.get(r["trial"], [])
+        if status == "failed":  # no result yet: running, waiting, or dead
+            status = "running" if (out / "trials" / f"trial-{r['trial']:03d}.log").exists() or rungs \
+                else "waiting"
+        last = f", last rung epoch {rungs[-1]['epoch']} {'continue' if rungs[-1]['go_on'] else 'pruned'}" \
+            if rungs else ""
+        value = f" {spec.metric} {r[spec.metric]:.6g}" if isinstance(r[spec.metric], float) else ""
+        lines.append(f"trial {r['trial']:>3} {status:<9} epochs {r['epochs']}{value}{last}  {r['params']}")
+    used, full = budget_used(rows, spec)
+    lines.append(f"trial-epochs so far: {used} of {full}")
     return "\n".join(lines) + "\n"
 
 
 def plot_results(rows: list[dict[str, Any]], spec: SweepSpec, path: Path) -> Path:
-    """Bar chart of the metric per trial."""
+    """Loss per epoch of every trial; pruned trials dashed and ended with an x, the best bold."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(4, len(rows) * 0.6), 3.5))
-    values = [r[spec.metric] if r[spec.metric] is not None else 0 for r in rows]
-    ax.bar([str(r["trial"]) for r in rows], values)
-    ax.set_xlabel("trial")
-    ax.set_ylabel(spec.metric)
-    ax.set_title(f"sweep: {spec.metric} per trial ({spec.mode} is best)")
+    best = best_trial(rows, spec)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for r in rows:
+        if not r["curve"]:
+            continue
+        epochs = list(range(1, len(r["curve"]) + 1))
+        pruned = r["status"] == "pruned"
+        line, = ax.plot(epochs, r["curve"], "--" if pruned else "-", lw=2.5 if r is best else 1,
+                        label=f"trial {r['trial']}" + (" (best)" if r is best else ""))
+        if pruned:
+            ax.plot(epochs[-1], r["curve"][-1], "x", color=line.get_color(), ms=8)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("epoch loss")
+    used, full = budget_used(rows, spec)
+    ax.set_title(f"sweep ({spec.scheduler}): x = pruned; {used}/{full} trial-epochs")
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .asha import AshaTrial
 from .backends import Backend, create_backend
 from .checkpoint import CheckpointManager, TrainingState
 from .config import TrainConfig
@@ -59,6 +60,8 @@ class TrainResult:
     # one dict per rank, in rank order: rank, local_rank, host, pid, threads
     placement: list[dict] = field(default_factory=list)
     topology: dict = field(default_factory=dict)
+    status: str = "completed"  # or "pruned" (ASHA stopped it), "preempted"
+    asha: list[dict] = field(default_factory=list)  # the rung decisions, with their numbers
 
     @property
     def final_loss(self) -> float:
@@ -253,6 +256,7 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
             f"{result.topology['nodes']} node(s) {' '.join(result.topology['hosts'])}, start step "
             f"{state.global_step}, slurm restarts {os.environ.get('SLURM_RESTART_COUNT', '0')}")
 
+    asha = AshaTrial(cfg.asha_dir, cfg.asha_trial) if master and cfg.asha_dir else None
     watch = NonFiniteWatch(backend, cfg.on_nonfinite)
     resumed_from = f"ckpt-{state.global_step:09d}.h5" if ckpt and state.global_step else None
     saved: dict[str, object] = {"step": None, "path": None}  # at most one checkpoint per step
@@ -331,19 +335,43 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
             state.epoch, state.samples_in_epoch = epoch + 1, 0
             check_nonfinite(not watch.warned and watch.check_now(), before_save=False)
             loss_sum.zero_()
+            # ASHA decides before the save: a trial requeued in between meets the same rung
+            # again and reuses the recorded decision
+            go_on = _asha_rung(cfg, asha, backend, state.epoch, epoch_loss, result, log)
             if ckpt:
                 save()
+            if not go_on:
+                break
 
     result.global_step = state.global_step
     _report_done(cfg, backend, model, result, log)
     return result
 
 
+def _asha_rung(cfg: TrainConfig, asha: AshaTrial | None, backend: Backend, epoch: int, value: float,
+               result: TrainResult, log: Callable[[str], None]) -> bool:
+    """Collective at every epoch end of an ASHA trial: rank 0 decides, every rank learns it."""
+    if cfg.asha_dir is None:
+        return True
+    decision = asha.report(epoch, value) if asha is not None and asha.is_rung(epoch) else None
+    decision = backend.broadcast_object(decision, 0)  # asha is rank 0's alone
+    if decision is None:
+        return True
+    result.asha.append(decision)
+    if backend.is_master:
+        verdict = "continues" if decision["go_on"] else "pruned"
+        log(f"asha: trial {decision['trial']} at epoch {epoch} loss {value:.6f}: {verdict} "
+            f"({decision['rule']}{'; recorded decision reused' if decision['reused'] else ''})")
+    if not decision["go_on"]:
+        result.status = "pruned"
+    return bool(decision["go_on"])
+
+
 def _report_preemption(cfg: TrainConfig, backend: Backend, guard: PreemptionGuard,
                        state: TrainingState, result: TrainResult, saved: bool,
                        log: Callable[[str], None]) -> None:
     """After a checkpoint on signal: requeue under Slurm (USR1 only) and say what happened."""
-    result.preempted, result.global_step = True, state.global_step
+    result.preempted, result.global_step, result.status = True, state.global_step, "preempted"
     requeue = backend.any_true(guard.should_requeue) and cfg.requeue
     result.requeued = requeue  # rank 0 corrects it below if scontrol refused
     received = backend.allreduce_metric(guard.received or 0, op="max")

@@ -60,6 +60,7 @@ CASES = [
     ("data make-synthetic out.h5 --num-samples 0", 2, "--num-samples"),
     ("sweep", 2, "Missing argument 'SPACE'"),
     ("sweep badspace.yaml", 1, "exactly one of 'grid' or 'random'"),
+    ("sweep status .", 1, "holds no sweep"),
     ("bench --bogus", 2, "No such option"),
 ]
 

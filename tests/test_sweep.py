@@ -64,7 +64,7 @@ def test_local_sweep_of_three_trials(tmp_path):
     out, stdout = _sweep(tmp_path, "--parallel", "1")
     rows = _check_results(out, 3)
     best = min(rows, key=lambda r: r["final_loss"])
-    assert f"best: trial {best['trial']}" in stdout and "| trial | lr | final_loss |" in stdout
+    assert f"best: trial {best['trial']}" in stdout and "| trial | lr | epochs | final_loss | status |" in stdout
 
 
 @pytest.mark.slurm

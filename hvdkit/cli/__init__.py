@@ -12,7 +12,7 @@ from .ckpt_cmd import ckpt_group, data_group
 from .doctor_cmd import doctor_command
 from .run_cmd import run_command
 from .slurm_cmd import slurm_command
-from .sweep_cmd import sweep_command
+from .sweep_cmd import sweep_group
 from .train_cmd import train_command
 
 __all__ = ["main", "cli"]
@@ -31,7 +31,7 @@ cli.add_command(ckpt_group)
 cli.add_command(data_group)
 cli.add_command(doctor_command)
 cli.add_command(bench_command)
-cli.add_command(sweep_command)
+cli.add_command(sweep_group)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -24,8 +25,42 @@ def _wait_for_array(job_id: str, timeout_s: float) -> None:
                                f"collect later with: hvdkit sweep SPACE --out DIR --collect")
 
 
-@click.command("sweep")
+class _RunByDefault(click.Group):
+    """``hvdkit sweep SPACE ...`` means ``hvdkit sweep run SPACE ...``; ``status`` is a subcommand."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or (args[0] not in self.commands and args[0] not in ("--help", "-h")):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group("sweep", cls=_RunByDefault)
+def sweep_group() -> None:
+    """Hyperparameter search (grid/random, optionally ASHA), locally or as a Slurm job array.
+
+    'hvdkit sweep SPACE' runs it (see 'hvdkit sweep run --help'); 'hvdkit sweep status DIR'
+    shows the progress of one that is running.
+    """
+
+
+@sweep_group.command("status")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@translate_errors
+def sweep_status_command(directory: str) -> None:
+    """Progress of the sweep in DIRECTORY (its --out): each trial's status, epochs, rungs."""
+    from ..sweep import sweep_status
+
+    if not (Path(directory) / "spec.json").is_file():
+        raise click.ClickException(f"{directory} holds no sweep (no spec.json); pass the --out of 'hvdkit sweep'")
+    click.echo(sweep_status(Path(directory)), nl=False)
+
+
+@sweep_group.command("run")
 @click.argument("space", type=click.Path(exists=True, dir_okay=False))
+@click.option("--scheduler", type=click.Choice(["none", "asha"]), default=None,
+              help="Override the space file's scheduler: asha stops bad trials at rungs.")
+@click.option("--eta", type=click.IntRange(min=2), default=None, help="ASHA: keep the best 1/eta per rung (3).")
+@click.option("--grace", type=click.IntRange(min=1), default=None, help="ASHA: first rung, in epochs (1).")
 @click.option("--out", type=click.Path(file_okay=False), default="sweep", show_default=True)
 @click.option("--backend", type=click.Choice(["horovod", "ddp", "local"]), default="ddp", show_default=True)
 @click.option("-np", "--np", "np", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks per trial.")
@@ -38,16 +73,20 @@ def _wait_for_array(job_id: str, timeout_s: float) -> None:
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Slurm: wait for the array, then collect.")
 @click.option("--collect", is_flag=True, help="Only gather the results already in --out.")
 @translate_errors
-def sweep_command(space: str, out: str, backend: str, np: int, parallel: int, slurm: bool, venv: str | None,
+def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int | None, out: str,
+                  backend: str, np: int, parallel: int, slurm: bool, venv: str | None,
                   time_limit: str, partition: str | None, max_parallel: int | None, wait: bool,
                   collect: bool) -> None:
-    """Run every trial of the grid/random SPACE (YAML) and print a results table and the best trial."""
+    """Run the trials of the grid/random SPACE (YAML); print a results table and the best trial."""
     from ..errors import ConfigError
     from ..launch.local import training_program
     from ..launch.slurm import SlurmJob, render_sbatch, submit
     from ..sweep import best_trial, collect_results, load_space, plot_results, results_table, run_local, write_trials
 
     spec = load_space(space)
+    overrides = {k: v for k, v in (("scheduler", scheduler), ("eta", eta), ("grace", grace)) if v is not None}
+    if overrides:
+        spec = dataclasses.replace(spec, **overrides)  # validated again
     out_dir = Path(out).resolve()
     if not collect:
         trials = write_trials(out_dir, spec)
@@ -87,3 +126,4 @@ def sweep_command(space: str, out: str, backend: str, np: int, parallel: int, sl
     if best is None:
         raise click.ClickException("no trial produced the metric; see the trial logs")
     click.echo(f"best: trial {best['trial']} {spec.metric}={best[spec.metric]:.6g} params={best['params']}")
+    click.echo(f"wrote {out_dir / 'results.md'}, results.json, results.png", err=True)

@@ -98,6 +98,9 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
 @_opt("--precision", type=click.Choice(PRECISIONS), default=_TRAIN["precision"],
       help="Autocast the forward pass to bf16 or fp16 (fp16 with a dynamic gradient scaler, "
            "checkpointed); parameters and optimizer stay fp32. bf16 works on CPUs too.")
+@_opt("--asha-dir", type=click.Path(file_okay=False), default=None,
+      help="Sweep directory of 'hvdkit sweep --scheduler asha': report at each rung, stop if pruned.")
+@_opt("--asha-trial", type=click.IntRange(min=0), default=None, help="This trial's number in that sweep.")
 @_opt("--on-nonfinite", type=click.Choice(["stop", "warn"]), default=_TRAIN["on_nonfinite"],
       help="At the first NaN/inf loss on any rank: stop with an error (no checkpoint of it), "
            "or warn and go on (checkpoints with NaN/inf weights are skipped).")
