@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import re
 import signal
 import socket
 import sys
@@ -110,7 +109,7 @@ def train(cfg: TrainConfig, backend: Backend | None = None,
         # join: shutdown() must not wait for them (DDP's exit barrier hung until --ddp-timeout).
         # This process exits; its peers then see the connection drop and stop too.
         backend.abort()
-        if not (isinstance(exc, RuntimeError) and is_peer_failure(exc)):
+        if not (isinstance(exc, RuntimeError) and backend.is_peer_failure(exc)):
             # who failed, for the one-line error 'hvdkit train' prints under the traceback
             exc.hvdkit_rank = f"rank {backend.rank}/{backend.size} ({backend.name}) on {socket.gethostname()}"
             raise
@@ -119,15 +118,10 @@ def train(cfg: TrainConfig, backend: Backend | None = None,
             if cfg.checkpoint_dir else "rerun the job (with --checkpoint-dir it would resume)"
         raise HvdkitError(
             f"rank {backend.rank}/{backend.size} ({backend.name}) lost contact with {who}: "
-            f"{_first_line(exc)}", resume) from None
+            f"{backend.failure_summary(exc)}", resume) from None
     finally:
         if owns_backend:
             backend.shutdown()
-
-
-_PEER_FAILURE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-                 "Horovod has been shut down", "timed out", "Timed out", "Socket Timeout",
-                 "NCCL communicator was aborted", "ProcessGroupGloo::allreduce")
 
 
 def _peers_text(me: int, placement: list[dict], size: int) -> str:
@@ -144,24 +138,6 @@ def _peers_text(me: int, placement: list[dict], size: int) -> str:
         return f"rank {others[0]['rank']} on {others[0]['host']}"
     hosts = sorted({p["host"] for p in others})
     return f"one of ranks {others[0]['rank']}..{others[-1]['rank']} (on {', '.join(hosts)})"
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    """True for the errors a collective raises when another rank died or stalled."""
-    text = f"{type(exc).__name__}: {exc}"
-    return type(exc).__name__ in ("DistBackendError", "HorovodInternalError", "DistNetworkError") \
-        or any(marker in text for marker in _PEER_FAILURE)
-
-
-def _first_line(exc: BaseException) -> str:
-    """The first line of ``exc``, less a leading ``[source.cc:123]`` and generic advice."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    if not lines:
-        return type(exc).__name__
-    line = re.sub(r"^\[[^\]]*\]\s*", "", lines[0])  # gloo/c10d prefix their source location
-    for advice in (" This is typically caused", " This was caused by"):  # gloo, Horovod
-        line = line.split(advice)[0]
-    return line[:300]
 
 
 def train_step(backend: Backend, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -279,8 +255,8 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
     sampler = ShardSampler(len(dataset), size, backend.rank, seed=cfg.seed)
     device = backend.device
     done = cfg.max_steps is not None and state.global_step >= cfg.max_steps
-    # DDP/local: rank 0 records a torch profiler trace; Horovod writes its own timeline.
-    timeline = cfg.backend.horovod.timeline if backend.name != "horovod" else None
+    # --timeline: Horovod writes its own (set at init); other backends take a profiler trace here
+    timeline = backend.profiler_trace_path(cfg.backend.horovod.timeline)
     with PreemptionGuard() as guard, step_profiler(timeline, master) as profiler:
         for epoch in range(state.epoch, cfg.epochs if not done else state.epoch):
             sampler.set_epoch(epoch, start=state.samples_in_epoch)

@@ -28,6 +28,17 @@ TORCH_VERSION="2.13.0"
 HOROVOD_VERSION="0.28.1"
 
 log() { printf '[setup] %s\n' "$*"; }
+# Tools' own output (pip, setuptools warnings, apt, compilers) goes to a log file; on failure
+# its tail is shown, with the file's name. Only the [setup] lines reach the terminal.
+SETUP_LOG="${HVDKIT_SETUP_LOG:-${TMPDIR:-/tmp}/hvdkit-setup.log}"
+: >"$SETUP_LOG"
+quiet() {
+  if ! "$@" >>"$SETUP_LOG" 2>&1; then
+    tail -n 40 "$SETUP_LOG" >&2
+    log "FAILED: $* (whole log: $SETUP_LOG)"
+    exit 1
+  fi
+}
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 # --- 1. system packages -------------------------------------------------------
@@ -39,8 +50,8 @@ for cmd in mpirun mpicc sbatch slurmctld munged shellcheck h5dump /usr/sbin/sshd
 done
 if [ "${HVDKIT_SKIP_APT:-0}" != 1 ] && [ "$need_apt" = 1 ]; then
   log "installing system packages: ${APT_PACKAGES[*]}"
-  as_root apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends "${APT_PACKAGES[@]}" >/dev/null
+  quiet as_root apt-get update -qq
+  quiet as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${APT_PACKAGES[@]}"
 else
   log "system packages present"
 fi
@@ -57,10 +68,10 @@ PIP=("$PY" -m pip --disable-pip-version-check -q)
 TORCH_OK="import torch,sys; c=torch.version.cuda; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION' or (c.split('.')[0] if c else 'none') != '$PLAN_CUDA')"
 if ! "$PY" -c "$TORCH_OK" 2>/dev/null; then
   log "installing torch==$TORCH_VERSION (cuda: $PLAN_CUDA; $PLAN_REASON) and build tools"
-  "${PIP[@]}" install --upgrade pip
+  quiet "${PIP[@]}" install --upgrade pip
   # shellcheck disable=SC2086  # PLAN_TORCH_PIP_ARGS is a list of words from setup_plan.py
-  "${PIP[@]}" install $PLAN_TORCH_PIP_ARGS "$PLAN_TORCH_SPEC"
-  "${PIP[@]}" install numpy setuptools wheel 'cmake>=3.13,<4' packaging
+  quiet "${PIP[@]}" install $PLAN_TORCH_PIP_ARGS "$PLAN_TORCH_SPEC"
+  quiet "${PIP[@]}" install numpy setuptools wheel 'cmake>=3.13,<4' packaging
 else
   log "torch $TORCH_VERSION present (cuda: $PLAN_CUDA)"
 fi
@@ -85,7 +96,7 @@ else
     log "building horovod $HOROVOD_VERSION wheel with C++17 (a few minutes, done once)"
     BUILD="$(mktemp -d)"
     trap 'rm -rf "$BUILD"' EXIT
-    "${PIP[@]}" download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$BUILD"
+    quiet "${PIP[@]}" download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$BUILD"
     tar -xzf "$BUILD"/horovod-"$HOROVOD_VERSION".tar.gz -C "$BUILD"
     SRC="$BUILD/horovod-$HOROVOD_VERSION"
     "$ROOT/scripts/patch_horovod.sh" "$SRC"
@@ -95,29 +106,30 @@ else
       # compiler where no nvcc exists. Not yet run on a GPU machine: benchmarks/gpu_check.sh
       # is the check that builds this way there.
       # shellcheck disable=SC2086
-      [ -z "$PLAN_EXTRA_PACKAGES" ] || "${PIP[@]}" install $PLAN_EXTRA_PACKAGES
+      [ -z "$PLAN_EXTRA_PACKAGES" ] || quiet "${PIP[@]}" install $PLAN_EXTRA_PACKAGES
       read -r -a GPU_ENV <<<"$PLAN_HOROVOD_ENV"
       CUDA_VARS="$("$PY" "$ROOT/scripts/cuda_home.py" "$BUILD/cuda")"  # fails loudly if none
       mapfile -t -O "${#GPU_ENV[@]}" GPU_ENV <<<"$CUDA_VARS"
     fi
     mkdir -p "$WHEEL_DIR"
-    (cd "$SRC" && env "${GPU_ENV[@]}" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+    # shellcheck disable=SC2016  # $0/$@ belong to the inner bash: cd there, then run the rest
+    quiet bash -c 'cd "$0" && exec "$@"' "$SRC" env "${GPU_ENV[@]}" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
       HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
       MAKEFLAGS="-j$(nproc)" "$PY" -m pip --disable-pip-version-check wheel -q \
-      --no-build-isolation --no-deps -w "$WHEEL_DIR.tmp" . )
+      --no-build-isolation --no-deps -w "$WHEEL_DIR.tmp" .
     mv "$WHEEL_DIR.tmp"/horovod-*.whl "$WHEEL_DIR"/ && rm -rf "$WHEEL_DIR.tmp"
   fi
   log "installing cached horovod wheel from $WHEEL_DIR"
-  "${PIP[@]}" install --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl
-  "${PIP[@]}" install cloudpickle psutil pyyaml cffi   # horovod's runtime deps
+  quiet "${PIP[@]}" install --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl
+  quiet "${PIP[@]}" install cloudpickle psutil pyyaml cffi   # horovod's runtime deps
   echo "$HOROVOD_PATCHES$PLAN_CACHE_SUFFIX" >"$PATCH_MARK"
 fi
 
 # --- 4. mpi4py against the system MPI, then hvdkit ---------------------------------
 if ! "$PY" -c "import mpi4py.MPI" 2>/dev/null; then
   log "building mpi4py against $(command -v mpicc)"
-  MPICC="$(command -v mpicc)" "${PIP[@]}" install --no-binary mpi4py mpi4py
+  quiet env MPICC="$(command -v mpicc)" "${PIP[@]}" install --no-binary mpi4py mpi4py
 fi
-log "installing hvdkit (editable) with test extras"
-"${PIP[@]}" install -e "${ROOT}[test]"
+log "installing hvdkit (editable) with its extras (horovod and mpi4py are the ones built above)"
+quiet "${PIP[@]}" install -e "${ROOT}[test,horovod,mpi,plots]"
 log "done: activate with 'source $VENV/bin/activate'"

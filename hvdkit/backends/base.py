@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -114,6 +115,35 @@ class Backend(ABC):
             return
         scaler.step(optimizer)
         scaler.update()
+
+    # -- what this backend's failures look like ------------------------------------------
+    # Substrings of the errors a collective raises when a peer died or stalled; each
+    # backend adds its own (Horovod's shutdown text, gloo/NCCL messages).
+    PEER_FAILURE_MARKERS: tuple[str, ...] = ("Connection reset by peer", "Connection closed by peer",
+                                             "Broken pipe", "timed out", "Timed out", "Socket Timeout")
+    PEER_FAILURE_TYPES: tuple[str, ...] = ()
+    ADVICE_SUFFIXES: tuple[str, ...] = ()  # generic advice the library appends to its messages
+
+    def is_peer_failure(self, exc: BaseException) -> bool:
+        """True for the errors a collective raises when another rank died or stalled."""
+        text = f"{type(exc).__name__}: {exc}"
+        return type(exc).__name__ in self.PEER_FAILURE_TYPES \
+            or any(marker in text for marker in self.PEER_FAILURE_MARKERS)
+
+    def failure_summary(self, exc: BaseException) -> str:
+        """The first line of ``exc``, less a leading ``[source.cc:123]`` and generic advice."""
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        if not lines:
+            return type(exc).__name__
+        line = re.sub(r"^\[[^\]]*\]\s*", "", lines[0])  # gloo/c10d prefix their source location
+        for advice in self.ADVICE_SUFFIXES:
+            line = line.split(advice)[0]
+        return line[:300]
+
+    def profiler_trace_path(self, timeline: str | None) -> str | None:
+        """Where rank 0 records a torch profiler trace for ``--timeline`` (None: the backend
+        writes its own timeline, as Horovod does)."""
+        return timeline
 
     # -- collectives --------------------------------------------------------------
     @abstractmethod

@@ -51,6 +51,10 @@ class DDPBackend(Backend):
     """``torch.distributed`` + ``DistributedDataParallel``."""
 
     name = "ddp"
+    PEER_FAILURE_MARKERS = (*Backend.PEER_FAILURE_MARKERS, "NCCL communicator was aborted",
+                            "ProcessGroupGloo::allreduce")
+    PEER_FAILURE_TYPES = ("DistBackendError", "DistNetworkError")
+    ADVICE_SUFFIXES = (" This is typically caused",)
 
     def __init__(self, config: BackendConfig, environment: ClusterEnvironment | None = None) -> None:
         super().__init__(config)

@@ -43,6 +43,9 @@ class HorovodBackend(Backend):
     """``horovod.torch`` behind the :class:`Backend` interface."""
 
     name = "horovod"
+    PEER_FAILURE_MARKERS = (*Backend.PEER_FAILURE_MARKERS, "Horovod has been shut down")
+    PEER_FAILURE_TYPES = ("HorovodInternalError",)
+    ADVICE_SUFFIXES = (" This was caused by",)
 
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
@@ -127,6 +130,9 @@ class HorovodBackend(Backend):
         except ValueError as exc:
             raise HvdkitError(f"Horovod rejected the optimizer options: {exc}", "see hvdkit train --help") from None
         return model, dist_opt
+
+    def profiler_trace_path(self, timeline: str | None) -> str | None:
+        return None  # HOROVOD_TIMELINE, set before hvd.init(), writes Horovod's own timeline
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer,
                        scaler: torch.amp.GradScaler | None = None) -> None:

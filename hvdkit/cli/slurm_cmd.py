@@ -57,6 +57,13 @@ def build_job(o: dict[str, Any]) -> SlurmJob:
     )
 
 
+def _print_template_dir(ctx: click.Context) -> None:
+    from ..launch.templates import template_dir
+
+    click.echo(template_dir())
+    ctx.exit(0)
+
+
 @click.command("slurm", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @config_option
 @click.option("--backend", type=click.Choice(["horovod", "ddp"]), default="horovod", show_default=True)
@@ -98,7 +105,10 @@ def build_job(o: dict[str, Any]) -> SlurmJob:
 @click.option("--results-dir", default=None, help="Each task writes its metrics JSON here.")
 @click.option("--checkpoint-dir", default=None, help="Checkpoints (per array task when --array).")
 @click.option("--template-dir", type=click.Path(file_okay=False), default=None,
-              help="Your adapted copy of slurm/.")
+              help="Your adapted copy of the templates (see --print-template-dir).")
+@click.option("--print-template-dir", is_flag=True, is_eager=True, expose_value=False,
+              callback=lambda ctx, _p, v: _print_template_dir(ctx) if v else None,
+              help="Print where hvdkit's own templates are (to copy them) and exit.")
 @click.option("-o", "--out", "out", type=click.Path(dir_okay=False), default=None, help="Write the script here.")
 @click.option("--submit", is_flag=True, help="Submit with sbatch and print the job id.")
 @click.option("--print-config", is_flag=True, help="Print the merged options (config file + flags) and exit.")

@@ -83,6 +83,9 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
     from ..launch.slurm import SlurmJob, render_sbatch, submit
     from ..sweep import best_trial, collect_results, load_space, plot_results, results_table, run_local, write_trials
 
+    if slurm and backend == "local":  # before anything is written
+        raise click.UsageError("--backend local runs one plain process; Slurm trials need "
+                               "--backend ddp or horovod")
     spec = load_space(space)
     overrides = {k: v for k, v in (("scheduler", scheduler), ("eta", eta), ("grace", grace)) if v is not None}
     if overrides:
@@ -95,8 +98,8 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
             array = f"0-{len(trials) - 1}" + (f"%{max_parallel}" if max_parallel else "")
             python = "python" if venv else sys.executable
             try:
-                job = SlurmJob(program=tuple(training_program(backend if backend != "local" else "ddp", [], python)),
-                               backend="horovod" if backend == "horovod" else "ddp", job_name="hvdkit-sweep",
+                job = SlurmJob(program=tuple(training_program(backend, [], python)),
+                               backend=backend, job_name="hvdkit-sweep",
                                tasks_per_node=np, time=time_limit, partition=partition, venv=venv,
                                output=str(out_dir / "logs" / "%x-%A_%a.out"), array=array,
                                array_params=str(out_dir / "params.txt"), results_dir=str(out_dir / "results"),
@@ -120,7 +123,10 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
     table = results_table(rows, spec)
     (out_dir / "results.md").write_text(table)
     (out_dir / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
-    plot_results(rows, spec, out_dir / "results.png")
+    try:
+        plot_results(rows, spec, out_dir / "results.png")
+    except ImportError:
+        click.echo("no results.png: matplotlib is missing (pip install 'hvdkit[plots]')", err=True)
     click.echo(table, nl=False)
     best = best_trial(rows, spec)
     if best is None:

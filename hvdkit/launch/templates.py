@@ -1,4 +1,5 @@
-"""Render the job-script templates kept in ``slurm/``.
+"""Render the job-script templates: package data in ``hvdkit/templates/`` (``slurm/`` at the
+top of the repository is a link to it, where users look for them).
 
 Jinja2 rather than ``string.Template``: the templates need conditionals and
 loops (optional ``#SBATCH`` lines, modules, exports), and with
@@ -11,10 +12,10 @@ template cannot forget to quote a path with spaces, quotes or ``$``.
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 import re
 import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -51,21 +52,22 @@ def _finalize(value: Any) -> str:
 
 
 def template_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
-    """Where templates live: ``explicit``, ``$HVDKIT_TEMPLATE_DIR``, the checkout's ``slurm/``,
-    or ``<prefix>/share/hvdkit/slurm`` for a wheel install."""
-    if explicit:
-        if not (Path(explicit) / "_header.sbatch").is_file():
-            raise ConfigError(f"template directory {explicit} has no _header.sbatch",
-                              "copy hvdkit's slurm/ folder and edit the copy")
-        return Path(explicit)
-    candidates = [os.environ.get("HVDKIT_TEMPLATE_DIR"),
-                  Path(__file__).resolve().parents[2] / "slurm",
-                  Path(sys.prefix) / "share" / "hvdkit" / "slurm"]
-    for cand in candidates:
-        if cand and (Path(cand) / "_header.sbatch").is_file():
+    """Where templates live: ``explicit`` (``--template-dir``), ``$HVDKIT_TEMPLATE_DIR``, or the
+    package's own ``hvdkit/templates`` (read with :mod:`importlib.resources`, so wheel,
+    ``--user`` and editable installs all find them)."""
+    for cand, origin in ((explicit, "--template-dir"), (os.environ.get("HVDKIT_TEMPLATE_DIR"),
+                                                         "HVDKIT_TEMPLATE_DIR")):
+        if cand:
+            if not (Path(cand) / "_header.sbatch").is_file():
+                raise ConfigError(f"template directory {cand} ({origin}) has no _header.sbatch",
+                                  "copy the folder 'hvdkit slurm --print-template-dir' prints and edit "
+                                  "the copy")
             return Path(cand)
-    raise ConfigError("hvdkit's slurm/ templates were not found",
-                      "set HVDKIT_TEMPLATE_DIR to a copy of the repository's slurm/ folder")
+    packaged = Path(str(importlib.resources.files("hvdkit") / "templates"))
+    if not (packaged / "_header.sbatch").is_file():
+        raise ConfigError(f"hvdkit's templates are missing from {packaged}",
+                          "reinstall hvdkit (its wheel carries them as package data)")
+    return packaged
 
 
 def render_template(name: str, context: dict[str, Any], directory: Path | None = None) -> str:
