@@ -86,7 +86,7 @@ class DDPBackend(Backend):
                 raise HvdkitError(
                     f"DDP rendezvous at {url} failed for rank {self._rank}/{self._size}: {first}",
                     "check that every rank can reach MASTER_ADDR:MASTER_PORT and that all "
-                    "ranks were started (set HVDKIT_DDP_TIMEOUT / --ddp-timeout to wait longer)",
+                    "ranks were started (raise --ddp-timeout to wait longer)",
                 ) from None
         self._owns_group = True
         atexit.register(self.shutdown)  # a script that forgets shutdown() must not abort at exit

@@ -21,7 +21,18 @@ __all__ = ["main", "cli"]
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "HVDKIT"})
 @click.version_option(__version__, prog_name="hvdkit")
 def cli() -> None:
-    """hvdkit: data-parallel PyTorch training with Horovod or native DDP, on Slurm or locally."""
+    """hvdkit: data-parallel PyTorch training with Horovod or native DDP, on Slurm or locally.
+
+    \b
+    Conventions of every command:
+      -np/--np N      number of ranks (run, sweep, bench)
+      -o FILE         a file to write (slurm; run writes one with --write-script FILE)
+      --out-dir DIR   a directory to write (sweep, bench)
+      --config FILE   option defaults from YAML/TOML/JSON; flags win
+    \b
+    Exit status: 0 done; 2 usage error (found before anything ran, one line);
+    1 failure while running (one line, the cause); 75 preempted, not requeued.
+    """
 
 
 cli.add_command(train_command)

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from .common import translate_errors
+from .common import config_option, translate_errors
 
 
 def _ints(text: str | None) -> tuple[int, ...] | None:
@@ -19,11 +19,13 @@ def _floats(text: str | None) -> tuple[float, ...] | None:
 
 
 @click.command("bench")
+@config_option
 @click.option("--quick", is_flag=True, help="Reducer comparison + allreduce bandwidth, small: under a minute on 2 cores.")
-@click.option("--out", type=click.Path(file_okay=False), default="bench-results", show_default=True)
+@click.option("--out-dir", "--out", "out", type=click.Path(file_okay=False), default="bench-results",
+              show_default=True, help="Directory for the JSON, tables and figures.")
 @click.option("--only", default=None, help="Comma list of: reducer,ab,fusion,scaling,allreduce,ckpt,overhead,model.")
 @click.option("--models", default=None, help="Comma list of example models (default cnn,mlp).")
-@click.option("--np", "np", type=click.IntRange(min=2), default=2, show_default=True)
+@click.option("-np", "--np", "np", type=click.IntRange(min=2), default=2, show_default=True)
 @click.option("-H", "--hosts", default=None,
               help="Cross-node mode: mpirun -H hosts for the reducer and allreduce runs (e.g. "
                    "node1:1,node2:1); run it on one of them.")

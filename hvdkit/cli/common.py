@@ -83,7 +83,3 @@ def translate_errors(f: Callable[..., Any]) -> Callable[..., Any]:
 
     return wrapper
 
-
-def echo_err(message: str) -> None:
-    """Print to stderr."""
-    click.echo(message, file=sys.stderr)

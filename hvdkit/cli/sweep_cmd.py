@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from .common import translate_errors
+from .common import config_option, translate_errors
 
 
 def _wait_for_array(job_id: str, timeout_s: float) -> None:
@@ -22,7 +22,7 @@ def _wait_for_array(job_id: str, timeout_s: float) -> None:
             return
         time.sleep(2)
     raise click.ClickException(f"job array {job_id} still running after {timeout_s:.0f}s; "
-                               f"collect later with: hvdkit sweep SPACE --out DIR --collect")
+                               f"collect later with: hvdkit sweep SPACE --out-dir DIR --collect")
 
 
 class _RunByDefault(click.Group):
@@ -56,12 +56,14 @@ def sweep_status_command(directory: str) -> None:
 
 
 @sweep_group.command("run")
+@config_option
 @click.argument("space", type=click.Path(exists=True, dir_okay=False))
 @click.option("--scheduler", type=click.Choice(["none", "asha"]), default=None,
               help="Override the space file's scheduler: asha stops bad trials at rungs.")
 @click.option("--eta", type=click.IntRange(min=2), default=None, help="ASHA: keep the best 1/eta per rung (3).")
 @click.option("--grace", type=click.IntRange(min=1), default=None, help="ASHA: first rung, in epochs (1).")
-@click.option("--out", type=click.Path(file_okay=False), default="sweep", show_default=True)
+@click.option("--out-dir", "--out", "out", type=click.Path(file_okay=False), default="sweep", show_default=True,
+              help="Directory for the trials, results and ASHA state.")
 @click.option("--backend", type=click.Choice(["horovod", "ddp", "local"]), default="ddp", show_default=True)
 @click.option("-np", "--np", "np", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks per trial.")
 @click.option("--parallel", type=click.IntRange(min=1), default=2, show_default=True, help="Local trials at a time.")

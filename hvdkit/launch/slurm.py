@@ -9,7 +9,6 @@ before a single line is written.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import subprocess
 from dataclasses import dataclass
@@ -188,10 +187,6 @@ class SlurmJob:
     @property
     def ntasks(self) -> int:
         return self.nodes * self.tasks_per_node
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain data (for --print-config and golden files)."""
-        return dataclasses.asdict(self)
 
 
 def _context(job: SlurmJob, template: str) -> dict[str, Any]:
