@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HVDKIT, base_env
+from helpers import HVDKIT, base_env
 from hvdkit.asha import AshaConfig, AshaTrial, decide, write_config
 from hvdkit.errors import ConfigError
 

@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import HVDKIT, base_env
+from helpers import HVDKIT, base_env
 
 CASES = [
     # hvdkit slurm: all caught when the script is generated

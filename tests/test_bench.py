@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from conftest import HVDKIT, base_env
+from helpers import HVDKIT, base_env
 from hvdkit.bench.costmodel import allreduce_time, fit_alpha_beta, predict_scaling
 from hvdkit.bench.stats import ratio_ci, summarize
 

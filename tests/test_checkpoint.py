@@ -25,38 +25,7 @@ from hvdkit.checkpoint import (
 )
 from hvdkit.cli import cli
 from hvdkit.errors import CheckpointError
-
-
-def trained_state():
-    torch.manual_seed(0)
-    model = build_model("mlp")
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.8, 0.99))
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    for _ in range(3):
-        model(torch.randn(4, 64)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-    return model, opt, sched
-
-
-def assert_tree_equal(a, b, path="root"):
-    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert list(a) == list(b), path
-        for k in a:
-            assert_tree_equal(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_tree_equal(x, y, f"{path}[{i}]")
-    elif isinstance(a, np.ndarray):
-        assert np.array_equal(a, b), path
-    else:
-        assert a == b, path
+from helpers import assert_tree_equal, trained_state
 
 
 def test_round_trip_is_exact(tmp_path):

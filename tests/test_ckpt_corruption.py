@@ -15,7 +15,7 @@ import torch
 
 from hvdkit import BackendConfig, LocalBackend, build_model
 from hvdkit.checkpoint import CheckpointManager, TrainingState, read_checkpoint
-from test_checkpoint import assert_tree_equal
+from helpers import assert_tree_equal
 
 FLIPS = 600
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import base_env
+from helpers import base_env
 
 
 def doctor(env):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import PY, WORKERS, check, launch
+from helpers import PY, WORKERS, check, launch
 from hvdkit import build_model
 
 CASES = [

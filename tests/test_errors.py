@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from click.testing import CliRunner
 
-from conftest import HVDKIT, base_env, launch
+from helpers import HVDKIT, base_env, launch
 from hvdkit.cli import cli
 
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import PY, ROOT, check, launch
+from helpers import PY, ROOT, check, launch
 
 
 @pytest.mark.mp

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import HVDKIT, base_env, bit_rotten_dataset, launch
+from helpers import HVDKIT, base_env, bit_rotten_dataset, launch
 
 
 def _spawn(argv, env, cwd=None):

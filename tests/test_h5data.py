@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 from torch.utils.data import DataLoader
 
-from conftest import HVDKIT, check, launch
+from helpers import HVDKIT, check, launch
 from hvdkit import H5Dataset, ShardSampler
 from hvdkit.cli import cli
 from hvdkit.errors import HvdkitError

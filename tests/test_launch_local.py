@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from click.testing import CliRunner
 
-from conftest import PY, base_env
+from helpers import PY, base_env
 from hvdkit.cli import cli
 from hvdkit.launch.local import LocalLaunch, build_local_command, training_program
 

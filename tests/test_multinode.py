@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from slurmutil import (
+from helpers import (
     CLUSTER,
     cluster,
     cluster_mode,
@@ -350,7 +350,7 @@ def test_elastic_across_nodes_survives_a_lost_node(tmp_path, nodes_restored):
 def test_an_exception_on_one_node_ends_the_job_promptly_under_srun(tmp_path, backend):
     """srun --kill-on-bad-exit: one unreadable sample on node2's shard fails that rank mid-epoch;
     the job ends FAILED within seconds, with one line naming rank, node and cause."""
-    from conftest import bit_rotten_dataset
+    from helpers import bit_rotten_dataset
 
     data = bit_rotten_dataset(tmp_path / "rot.h5", 77)
     script = render(tmp_path, f"rot-{backend}", "--backend", backend, "-N", "2", "--tasks-per-node", "1",

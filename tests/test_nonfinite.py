@@ -8,7 +8,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import HVDKIT, base_env
+from helpers import HVDKIT, base_env
 from hvdkit.checkpoint import read_checkpoint
 from hvdkit.data import ShardSampler, make_synthetic_h5
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import HVDKIT, check, launch
+from helpers import HVDKIT, check, launch
 from hvdkit.train import warmup_factor
 
 

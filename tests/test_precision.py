@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from conftest import HVDKIT, PY, WORKERS, check, launch
+from helpers import HVDKIT, PY, WORKERS, check, launch
 from hvdkit import build_model
 from hvdkit.checkpoint import read_checkpoint
 from hvdkit.precision import autocast

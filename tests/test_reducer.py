@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import HVDKIT, PY, WORKERS, check, launch
+from helpers import HVDKIT, PY, WORKERS, check, launch
 from hvdkit.backends.buckets import FIRST_BUCKET_BYTES, plan_buckets
 
 MiB = 1024 * 1024

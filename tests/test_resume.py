@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HVDKIT, PY, WORKERS, base_env, check, launch
+from helpers import HVDKIT, PY, WORKERS, base_env, check, launch
 from hvdkit.checkpoint import read_checkpoint, verify_checkpoint
 from hvdkit.launch.local import MPIRUN_BASE
-from test_checkpoint import assert_tree_equal
+from helpers import assert_tree_equal
 
 TRAIN = ["train", "--model", "mlp", "--epochs", "2", "--steps-per-epoch", "6", "--num-samples", "512",
          "--optimizer", "adam", "--batch-size", "16"]

@@ -13,7 +13,7 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from slurmutil import VENV, final_loss, job_state, render, sbatch, wait_done
+from helpers import VENV, final_loss, job_state, render, sbatch, wait_done
 
 from hvdkit.cli import cli
 

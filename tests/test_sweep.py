@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import HVDKIT, base_env
+from helpers import HVDKIT, base_env
 from hvdkit.errors import ConfigError
 from hvdkit.sweep import SweepSpec, expand_trials, load_space, trial_args
 

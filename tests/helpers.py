@@ -1,0 +1,238 @@
+"""Everything tests share, in one importable module (``from helpers import ...``).
+
+Process launching with every launcher hvdkit supports, data and checkpoint helpers, and
+the Slurm helpers for the real local cluster. Test groups are pytest markers: unmarked
+tests are unit tests (``pytest -m "not mp and not slurm"``, a few minutes: some
+run the CLI as a subprocess), ``mp``
+launches real multi-process jobs, ``slurm`` submits to the local cluster, ``multinode``
+runs across its namespaced nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from click.testing import CliRunner
+
+from hvdkit import build_model
+from hvdkit.cli import cli
+from hvdkit.launch.local import LocalLaunch, build_local_command, root_mpi_env
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = Path(__file__).resolve().parent / "workers"
+PY = sys.executable
+HVDKIT = [PY, "-m", "hvdkit"]
+
+LAUNCH_KINDS = ("hvd-gloo", "hvd-mpi", "mpirun", "slurm-sim")
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(root_mpi_env())
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(var, None)
+    for var in [k for k in env if k.startswith(("SLURM_", "OMPI_COMM_WORLD", "PMI_", "HOROVOD_"))]:
+        env.pop(var)
+    env.update(extra)
+    return env
+
+
+def _run_group(argvs: list[list[str]], envs: list[dict[str, str]], timeout: float,
+               cwd: Path | None) -> subprocess.CompletedProcess:
+    """Start each argv in its own process group; on timeout kill the groups (no orphans)."""
+    procs = [subprocess.Popen(a, env=e, cwd=cwd, text=True, start_new_session=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for a, e in zip(argvs, envs)]
+    outputs, codes = [], []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outputs.append(out)
+            codes.append(p.returncode)
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    code = next((c for c in codes if c != 0), 0)
+    return subprocess.CompletedProcess(argvs[0], code, "".join(outputs), "")
+
+
+def launch(kind: str, np: int, program: Sequence[str], timeout: float = 180,
+           env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``program`` on ``np`` ranks with launcher ``kind`` and return the finished process.
+
+    ``slurm-sim`` starts the ranks as plain processes with the variables srun
+    would set (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST...).
+    Every launch runs in its own process group, killed whole when the test ends.
+    """
+    full_env = base_env(**(env or {}))
+    if kind == "slurm-sim":
+        envs = [dict(full_env, SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_PROCID=str(rank),
+                     SLURM_NTASKS=str(np), SLURM_LOCALID=str(rank),
+                     SLURM_JOB_NODELIST="localhost", SLURM_NODEID="0") for rank in range(np)]
+        return _run_group([list(program)] * np, envs, timeout, cwd)
+    launcher, controller = {"hvd-gloo": ("horovodrun", "gloo"), "hvd-mpi": ("horovodrun", "mpi"),
+                            "mpirun": ("mpirun", "gloo")}[kind]
+    argv, extra = build_local_command(LocalLaunch(np=np, launcher=launcher, controller=controller),
+                                      program, full_env)
+    full_env.update(extra)
+    return _run_group([argv], [full_env], timeout, cwd)
+
+
+def check(proc: subprocess.CompletedProcess) -> str:
+    """Assert success, showing the job's output when it failed."""
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-6000:]}"
+    return proc.stdout
+
+
+def bit_rotten_dataset(path: Path, bad_sample: int, num_samples: int = 256) -> Path:
+    """A 'tiny' dataset whose sample ``bad_sample`` fails its Fletcher-32 check when read.
+
+    Everything else reads fine and the up-front data check (keys, shapes, labels)
+    passes, so the one rank whose shard holds that sample fails mid-training.
+    """
+    import h5py
+
+    from hvdkit.data import make_synthetic_h5
+
+    clean = make_synthetic_h5(path.with_suffix(".clean.h5"), "tiny", num_samples)
+    with h5py.File(clean, "r") as src, h5py.File(path, "w") as dst:
+        dst.create_dataset("x", data=src["x"][()], chunks=(1, 8), fletcher32=True)
+        dst["y"] = src["y"][()]
+    clean.unlink()
+    with h5py.File(path, "r") as f:
+        offset = f["x"].id.get_chunk_info_by_coord((bad_sample, 0)).byte_offset + 5
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+    return path
+
+
+# -- checkpoints ---------------------------------------------------------------------
+def trained_state():
+    torch.manual_seed(0)
+    model = build_model("mlp")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.8, 0.99))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(3):
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return model, opt, sched
+
+
+def assert_tree_equal(a, b, path="root"):
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_tree_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_tree_equal(x, y, f"{path}[{i}]")
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), path
+    else:
+        assert a == b, path
+
+
+# -- the local Slurm cluster (scripts/local-cluster.sh) -------------------------------
+CLUSTER = ROOT / "scripts" / "local-cluster.sh"
+CLUSTER_STATE = Path("/run/hvdkit-cluster")
+VENV = sys.prefix
+DONE_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
+
+
+def cluster_mode() -> tuple[str, int]:
+    """('multi'|'single'|'none', node count) of the local cluster scripts/local-cluster.sh made."""
+    try:
+        return (CLUSTER_STATE / "mode").read_text().strip(), int((CLUSTER_STATE / "nodes").read_text())
+    except (OSError, ValueError):
+        return "none", 0
+
+
+def cluster(*args: str, timeout: float = 120) -> str:
+    """Run ``scripts/local-cluster.sh ARGS`` and return its stdout (asserting success)."""
+    proc = subprocess.run([str(CLUSTER), *args], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"local-cluster.sh {' '.join(args)}: {proc.stderr}{proc.stdout}"
+    return proc.stdout
+
+
+def job_state(job: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True,
+                         timeout=30).stdout
+    m = re.search(r"JobState=(\w+)", out)
+    return m.group(1) if m else "UNKNOWN"
+
+
+def wait_done(job: str, timeout: float = 240, kick_requeued: bool = False) -> str:
+    """Poll until the job ends. ``kick_requeued`` waives Slurm's ~2 min requeue delay."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = job_state(job)
+        if state in DONE_STATES:
+            return state
+        if kick_requeued and state == "PENDING":
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"],
+                           capture_output=True, timeout=30)
+        time.sleep(1)
+    subprocess.run(["scancel", job], timeout=30)
+    raise AssertionError(f"job {job} still {job_state(job)} after {timeout}s")
+
+
+def wait_for_text(path: Path, text: str, job: str, timeout: float = 120) -> None:
+    """Wait until ``text`` appears in ``path`` while ``job`` is still pending or running."""
+    deadline = time.time() + timeout
+    while text not in (path.read_text() if path.exists() else ""):
+        state = job_state(job)
+        assert time.time() < deadline and state in ("PENDING", "RUNNING", "CONFIGURING"), \
+            f"job {job} is {state} and never printed {text!r}:\n" + \
+            (path.read_text()[-3000:] if path.exists() else "(no log)")
+        time.sleep(0.2)
+
+
+def render(tmp_path: Path, name: str, *args: str) -> Path:
+    """``hvdkit slurm ... -o SCRIPT`` with a 10-minute limit and per-job logs; lints the script."""
+    script = tmp_path / f"{name}.sh"
+    result = CliRunner().invoke(cli, ["slurm", "--venv", VENV, "--time", "10:00", "-J", name,
+                                      "--output", str(tmp_path / f"{name}-%j.out"), "-o", str(script),
+                                      *args])
+    assert result.exit_code == 0, result.output
+    lint = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True, timeout=60)
+    assert lint.returncode == 0, lint.stdout
+    return script
+
+
+def sbatch(script: Path, cwd: Path, *options: str) -> str:
+    proc = subprocess.run(["sbatch", "--parsable", *options, str(script)], capture_output=True,
+                          text=True, cwd=cwd, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def final_loss(log: str) -> float:
+    return float(re.search(r"final_loss=(\S+)", log).group(1))
+
+
+def read_metrics(path: Path) -> dict:
+    """The metrics JSON rank 0 wrote with --metrics-file (what tests read instead of logs)."""
+    return json.loads(path.read_text())
