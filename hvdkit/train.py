@@ -191,9 +191,56 @@ def _geometry(cfg: TrainConfig, size: int, num_samples: int) -> _Geometry:
     return _Geometry(batch, global_batch, min(steps, cfg.steps_per_epoch or steps))
 
 
-def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
-           result: TrainResult) -> TrainResult:
-    master = backend.is_master  # global rank 0: the only rank with side effects
+@dataclass
+class _Run:
+    """One training run: built once by :func:`_set_up`; the loop pieces below change only
+    ``state`` (where the loop is), ``loss_sum`` (this epoch's running loss), the record of
+    the last save, and ``result``."""
+
+    cfg: TrainConfig
+    backend: Backend
+    log: Callable[[str], None]
+    result: TrainResult
+    geo: _Geometry
+    dataset: torch.utils.data.Dataset
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler | None
+    ckpt: CheckpointManager | None
+    state: TrainingState
+    watch: NonFiniteWatch
+    asha: AshaTrial | None
+    loss_sum: torch.Tensor
+    saved_step: int | None = None  # at most one checkpoint per step
+    saved_name: str | None = None
+
+    @property
+    def master(self) -> bool:
+        return self.backend.is_master  # global rank 0: the only rank with side effects
+
+    def save(self) -> None:
+        """Collective: checkpoint the current step (once), with every rank's running loss."""
+        assert self.ckpt is not None
+        if self.saved_step == self.state.global_step:
+            return
+        self.state.extra = {"loss_sums": self.backend.gather_objects(float(self.loss_sum)),
+                            "epoch_losses": self.result.epoch_losses}
+        path = self.ckpt.save(self.model, self.optimizer, self.scheduler, self.state, self.scaler,
+                              skip_nonfinite=self.watch.mode == "warn")
+        self.saved_step = self.state.global_step
+        self.saved_name = path.name if path is not None else self.saved_name
+
+    def check_nonfinite(self, flagged: bool, before_save: bool) -> None:
+        """Collective: stop or warn at a non-finite loss; the per-step flag lags one step, so
+        before a save this step is asked about too."""
+        if flagged or (before_save and self.watch.check_now()):
+            self.watch.handle(self.state.global_step, self.saved_name, self.log)
+
+
+def _set_up(cfg: TrainConfig, backend: Backend, log: Callable[[str], None], result: TrainResult) -> _Run:
+    """Placement, data, model, optimizer, schedule, and the state to start from (restored or fresh)."""
+    master = backend.is_master
     size, accum = backend.size, cfg.backend.accumulation_steps
     result.placement = backend.gather_objects(
         {"rank": backend.rank, "local_rank": backend.local_rank, "host": socket.gethostname(),
@@ -231,97 +278,105 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
             f"lr {cfg.lr * lr_scale:g}, {geo.steps_per_epoch} steps/epoch, "
             f"{result.topology['nodes']} node(s) {' '.join(result.topology['hosts'])}, start step "
             f"{state.global_step}, slurm restarts {os.environ.get('SLURM_RESTART_COUNT', '0')}")
+    return _Run(cfg=cfg, backend=backend, log=log, result=result, geo=geo, dataset=dataset, model=model,
+                optimizer=optimizer, scheduler=scheduler, scaler=scaler, ckpt=ckpt, state=state,
+                watch=NonFiniteWatch(backend, cfg.on_nonfinite),
+                asha=AshaTrial(cfg.asha_dir, cfg.asha_trial) if master and cfg.asha_dir else None,
+                loss_sum=torch.zeros((), dtype=torch.float64, device=backend.device),
+                saved_name=f"ckpt-{state.global_step:09d}.h5" if ckpt and state.global_step else None)
 
-    asha = AshaTrial(cfg.asha_dir, cfg.asha_trial) if master and cfg.asha_dir else None
-    watch = NonFiniteWatch(backend, cfg.on_nonfinite)
-    resumed_from = f"ckpt-{state.global_step:09d}.h5" if ckpt and state.global_step else None
-    saved: dict[str, object] = {"step": None, "path": None}  # at most one checkpoint per step
 
-    def save() -> None:
-        assert ckpt is not None
-        if saved["step"] == state.global_step:
-            return
-        state.extra = {"loss_sums": backend.gather_objects(float(loss_sum)),
-                       "epoch_losses": result.epoch_losses}
-        path = ckpt.save(model, optimizer, scheduler, state, scaler, skip_nonfinite=watch.mode == "warn")
-        saved["step"] = state.global_step
-        saved["path"] = path.name if path is not None else saved["path"]
-
-    def check_nonfinite(flagged: bool, before_save: bool) -> None:
-        # The per-step flag lags one step; before a save, ask about this step too.
-        if flagged or (before_save and watch.check_now()):
-            watch.handle(state.global_step, saved["path"] or resumed_from, log)
-
-    sampler = ShardSampler(len(dataset), size, backend.rank, seed=cfg.seed)
-    device = backend.device
+def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
+           result: TrainResult) -> TrainResult:
+    run = _set_up(cfg, backend, log, result)
+    state = run.state
+    sampler = ShardSampler(len(run.dataset), backend.size, backend.rank, seed=cfg.seed)
     done = cfg.max_steps is not None and state.global_step >= cfg.max_steps
     # --timeline: Horovod writes its own (set at init); other backends take a profiler trace here
     timeline = backend.profiler_trace_path(cfg.backend.horovod.timeline)
-    with PreemptionGuard() as guard, step_profiler(timeline, master) as profiler:
+    with PreemptionGuard() as guard, step_profiler(timeline, run.master) as profiler:
         for epoch in range(state.epoch, cfg.epochs if not done else state.epoch):
             sampler.set_epoch(epoch, start=state.samples_in_epoch)
-            batches = iter(DataLoader(dataset, batch_size=geo.batch, sampler=sampler, drop_last=True))
-            first_step = state.samples_in_epoch // geo.global_batch
-            # a tensor, so that the loss is never pulled to the host inside the step
-            loss_sum = torch.tensor(_resumed_loss_sum(state, backend), dtype=torch.float64, device=device)
-            model.train()
+            first_step = state.samples_in_epoch // run.geo.global_batch
             t0 = time.perf_counter()
-            for step_in_epoch in range(first_step, geo.steps_per_epoch):
-                # Agree on preemption and earlier non-finite losses while this step computes.
-                agreement = backend.start_any_flags([guard.requested, watch.flag()])
-                loss = train_step(backend, model, optimizer, batches, accum, device, cfg.precision, scaler)
-                watch.record(loss, state.global_step + 1)
-                loss_sum += loss
-                scheduler.step()
-                profiler.step()
-                state.global_step += 1
-                state.samples_in_epoch += geo.global_batch
-                state.samples_seen += geo.global_batch
-                if master and cfg.log_every and state.global_step % cfg.log_every == 0:
-                    log(f"step {state.global_step} loss {loss.item():.6f} "
-                        f"lr {scheduler.get_last_lr()[0]:.5g}")
-
-                stop, nonfinite = agreement()  # the same answers on every rank
-                limit = cfg.max_steps is not None and state.global_step >= cfg.max_steps
-                # the epoch's last step is saved by the epoch-end checkpoint just below
-                periodic = (cfg.checkpoint_every and state.global_step % cfg.checkpoint_every == 0
-                            and step_in_epoch + 1 < geo.steps_per_epoch)
-                wants_save = bool(ckpt and (stop or limit or periodic))
-                check_nonfinite(nonfinite and not watch.warned, before_save=wants_save)
-                if wants_save:
-                    save()
-                if stop:
-                    _report_preemption(cfg, backend, guard, state, result, bool(ckpt), log)
-                    return result
-                if limit:
-                    if master:
-                        log(f"stopped at max_steps={cfg.max_steps}{'; checkpoint saved' if ckpt else ''}")
-                    result.global_step = state.global_step
-                    return result
-
-            # Throughput of the slowest rank is the job's throughput.
-            slowest = backend.allreduce_metric(time.perf_counter() - t0, op="max")
-            steps_here = geo.steps_per_epoch - first_step
-            sps = steps_here * geo.global_batch / slowest if slowest > 0 else float("nan")
-            epoch_loss = backend.allreduce_metric(loss_sum / geo.steps_per_epoch)
-            result.epoch_losses.append(epoch_loss)
-            result.samples_per_sec.append(sps)
-            if master:
-                log(f"epoch {epoch} loss {epoch_loss:.6f} samples/s {sps:.1f} ({size} ranks)")
-            state.epoch, state.samples_in_epoch = epoch + 1, 0
-            check_nonfinite(not watch.warned and watch.check_now(), before_save=False)
-            loss_sum.zero_()
-            # ASHA decides before the save: a trial requeued in between meets the same rung
-            # again and reuses the recorded decision
-            go_on = _asha_rung(cfg, asha, backend, state.epoch, epoch_loss, result, log)
-            if ckpt:
-                save()
-            if not go_on:
-                break
+            if _one_epoch(run, sampler, first_step, guard, profiler):
+                return result  # preempted or at --max-steps: saved and reported
+            if not _end_epoch(run, epoch, first_step, time.perf_counter() - t0):
+                break  # ASHA pruned this trial
 
     result.global_step = state.global_step
-    _report_done(cfg, backend, model, result, log)
+    _report_done(cfg, backend, run.model, result, log)
     return result
+
+
+def _one_epoch(run: _Run, sampler: ShardSampler, first_step: int, guard: PreemptionGuard,
+               profiler) -> bool:  # noqa: ANN001 - torch profiler or a no-op
+    """The steps of one epoch from ``first_step``; True when the run must end here."""
+    cfg, backend, state, geo = run.cfg, run.backend, run.state, run.geo
+    batches = iter(DataLoader(run.dataset, batch_size=geo.batch, sampler=sampler, drop_last=True))
+    # a tensor, so that the loss is never pulled to the host inside the step
+    run.loss_sum = torch.tensor(_resumed_loss_sum(state, backend), dtype=torch.float64, device=backend.device)
+    run.model.train()
+    for step_in_epoch in range(first_step, geo.steps_per_epoch):
+        # Agree on preemption and earlier non-finite losses while this step computes.
+        agreement = backend.start_any_flags([guard.requested, run.watch.flag()])
+        loss = train_step(backend, run.model, run.optimizer, batches, cfg.backend.accumulation_steps,
+                          backend.device, cfg.precision, run.scaler)
+        run.watch.record(loss, state.global_step + 1)
+        run.loss_sum += loss
+        run.scheduler.step()
+        profiler.step()
+        state.global_step += 1
+        state.samples_in_epoch += geo.global_batch
+        state.samples_seen += geo.global_batch
+        if run.master and cfg.log_every and state.global_step % cfg.log_every == 0:
+            run.log(f"step {state.global_step} loss {loss.item():.6f} "
+                    f"lr {run.scheduler.get_last_lr()[0]:.5g}")
+
+        stop, nonfinite = agreement()  # the same answers on every rank
+        limit = cfg.max_steps is not None and state.global_step >= cfg.max_steps
+        # the epoch's last step is saved by the epoch-end checkpoint
+        periodic = (cfg.checkpoint_every and state.global_step % cfg.checkpoint_every == 0
+                    and step_in_epoch + 1 < geo.steps_per_epoch)
+        wants_save = bool(run.ckpt and (stop or limit or periodic))
+        run.check_nonfinite(nonfinite and not run.watch.warned, before_save=wants_save)
+        if wants_save:
+            run.save()
+        if stop:
+            _report_preemption(cfg, backend, guard, state, run.result, bool(run.ckpt), run.log)
+            return True
+        if limit:
+            if run.master:
+                run.log(f"stopped at max_steps={cfg.max_steps}{'; checkpoint saved' if run.ckpt else ''}")
+            run.result.global_step = state.global_step
+            return True
+    return False
+
+
+def _end_epoch(run: _Run, epoch: int, first_step: int, seconds: float) -> bool:
+    """Epoch loss and throughput, the non-finite check, ASHA's rung, the epoch checkpoint.
+
+    Returns False when ASHA pruned the trial.
+    """
+    backend, geo, state = run.backend, run.geo, run.state
+    # Throughput of the slowest rank is the job's throughput.
+    slowest = backend.allreduce_metric(seconds, op="max")
+    steps_here = geo.steps_per_epoch - first_step
+    sps = steps_here * geo.global_batch / slowest if slowest > 0 else float("nan")
+    epoch_loss = backend.allreduce_metric(run.loss_sum / geo.steps_per_epoch)
+    run.result.epoch_losses.append(epoch_loss)
+    run.result.samples_per_sec.append(sps)
+    if run.master:
+        run.log(f"epoch {epoch} loss {epoch_loss:.6f} samples/s {sps:.1f} ({backend.size} ranks)")
+    state.epoch, state.samples_in_epoch = epoch + 1, 0
+    run.check_nonfinite(not run.watch.warned and run.watch.check_now(), before_save=False)
+    run.loss_sum.zero_()
+    # ASHA decides before the save: a trial requeued in between meets the same rung
+    # again and reuses the recorded decision
+    go_on = _asha_rung(run.cfg, run.asha, backend, state.epoch, epoch_loss, run.result, run.log)
+    if run.ckpt:
+        run.save()
+    return go_on
 
 
 def _asha_rung(cfg: TrainConfig, asha: AshaTrial | None, backend: Backend, epoch: int, value: float,
