@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from . import __version__
-from .errors import CheckpointError
+from .errors import CheckpointError, first_line
 from .fileio import write_text_atomic
 from .h5tree import ChecksumMismatch, crc32_of, read_tree, write_tree
 
@@ -301,7 +301,7 @@ def _open_checked(path: Path) -> Any:
         f = h5py.File(io.BytesIO(data), "r")
     except Exception as exc:  # noqa: BLE001 - a damaged superblock raises many types
         raise CheckpointError(
-            f"checkpoint {path} is truncated or not an HDF5 file ({_first_line(exc)})", _DAMAGED,
+            f"checkpoint {path} is truncated or not an HDF5 file ({first_line(exc)})", _DAMAGED,
         ) from None
     try:
         is_ours = f.attrs.get("format") == FORMAT
@@ -312,11 +312,6 @@ def _open_checked(path: Path) -> Any:
         raise CheckpointError(f"{path} is not an hvdkit checkpoint (or its header is damaged)",
                               "pass a file written by hvdkit")
     return f
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
 
 
 def read_checkpoint(path: str | os.PathLike[str], verify: bool = True) -> Snapshot:
@@ -347,7 +342,7 @@ def read_checkpoint(path: str | os.PathLike[str], verify: bool = True) -> Snapsh
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - any damage is "corrupt", never a traceback
-        raise CheckpointError(f"checkpoint {path} is corrupt: {_first_line(exc)}", _DAMAGED) from None
+        raise CheckpointError(f"checkpoint {path} is corrupt: {first_line(exc)}", _DAMAGED) from None
 
 
 def _present(f: Any, name: str) -> bool:
@@ -381,7 +376,7 @@ def summarize_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
                 dtype = str(ds.attrs.get("torch_dtype", ds.dtype))
                 tensors.append((name.replace("%2F", "/"), dtype, tuple(ds.shape), int(ds.nbytes)))
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint {path} is corrupt: {_first_line(exc)}", _DAMAGED) from None
+        raise CheckpointError(f"checkpoint {path} is corrupt: {first_line(exc)}", _DAMAGED) from None
     ok, message = verify_checkpoint(path)
     return {"meta": meta, "tensors": tensors, "checksum_ok": ok, "checksum_message": message}
 
@@ -460,7 +455,7 @@ class CheckpointManager:
     def _failure(exc: Exception) -> tuple[bool, tuple[str, str]]:
         if isinstance(exc, CheckpointError):
             return False, (exc.message, exc.hint or "")
-        return False, (f"{type(exc).__name__}: {_first_line(exc)}",
+        return False, (f"{type(exc).__name__}: {first_line(exc)}",
                        "check the checkpoint directory (free space, permissions)")
 
     def save(self, model: Any, optimizer: Any, scheduler: Any, state: TrainingState,

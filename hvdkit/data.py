@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from .errors import ConfigError, HvdkitError
+from .errors import ConfigError, HvdkitError, first_line
 
 __all__ = ["ShardSampler", "H5Dataset", "check_h5_dataset", "make_synthetic_h5", "per_rank_batch_size"]
 
@@ -180,8 +180,7 @@ def check_h5_dataset(path: str | os.PathLike[str], model: str | None = None, x_k
     except HvdkitError:
         raise
     except Exception as exc:  # noqa: BLE001 - a damaged file: one line, not h5py's traceback
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise _bad(path, f"cannot be read ({first})") from None
+        raise _bad(path, f"cannot be read ({first_line(exc, limit=None)})") from None
 
 
 def make_synthetic_h5(

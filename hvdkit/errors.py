@@ -23,6 +23,17 @@ class HvdkitError(RuntimeError):
         super().__init__(self.message + (f" HINT: {self.hint}" if self.hint else ""))
 
 
+def first_line(exc: BaseException, limit: int | None = 200, default: str | None = None) -> str:
+    """The first line of ``str(exc)`` (``default``, else the type's name, when it is empty), cut to ``limit``.
+
+    What a one-line error quotes of a library's exception: h5py, click, c10d and yaml
+    put several lines or a whole traceback into their messages.
+    """
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else (type(exc).__name__ if default is None else default)
+    return line[:limit] if limit is not None else line
+
+
 class ConfigError(HvdkitError, ValueError):
     """A configuration value is invalid."""
 

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..config import BackendConfig
 from ..environments import ClusterEnvironment, detect_environment
-from ..errors import HvdkitError
+from ..errors import HvdkitError, first_line
 from .base import Backend
 
 T = TypeVar("T")
@@ -82,7 +82,7 @@ class DDPBackend(Backend):
                     timeout=datetime.timedelta(seconds=opts.timeout_s),
                 )
             except (RuntimeError, ValueError) as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                first = first_line(exc, limit=None)
                 raise HvdkitError(
                     f"DDP rendezvous at {url} failed for rank {self._rank}/{self._size}: {first}",
                     "check that every rank can reach MASTER_ADDR:MASTER_PORT and that all "

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from ..errors import HvdkitError
+from ..errors import HvdkitError, first_line
 
 __all__ = ["config_option", "load_config_file", "translate_errors"]
 
@@ -37,7 +37,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
             data = yaml.safe_load(text) or {}
     except Exception as exc:  # noqa: BLE001 - any parser error is the user's file
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc, limit=None)
         raise click.BadParameter(f"{path} is not valid: {first}", param_hint="--config") from None
     if not isinstance(data, dict):
         raise click.BadParameter(f"{path} must hold a mapping of option: value", param_hint="--config")

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from ..config import BACKENDS, MODEL_NAMES, PRECISIONS, BackendConfig, DDPOptions, HorovodOptions, TrainConfig
-from ..errors import HvdkitError
+from ..errors import HvdkitError, first_line
 from .common import config_option, translate_errors
 
 _TRAIN = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
@@ -126,8 +126,8 @@ def train_command(**options: Any) -> None:
     except Exception as exc:  # noqa: BLE001 - a bug or bad data: traceback, then one line
         traceback.print_exc()
         where = getattr(exc, "hvdkit_rank", "this rank")
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
-        raise click.ClickException(f"{where} failed: {type(exc).__name__}: {first}") from None
+        raise click.ClickException(
+            f"{where} failed: {type(exc).__name__}: {first_line(exc, limit=300, default='')}") from None
     if result is not None and result.preempted and not result.requeued:
         from ..preemption import EXIT_PREEMPTED
 

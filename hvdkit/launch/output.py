@@ -111,8 +111,9 @@ def run_with_log(argv: Sequence[str], env: Mapping[str, str], log_dir: str | Non
                 shown = keep(line)
                 if shown is not None:
                     # horovodrun tags say which stream a worker used; honour them
-                    (err if "<stderr>:" in shown[:16] else sink).write(shown)
-                    (err if "<stderr>:" in shown[:16] else sink).flush()
+                    target = err if "<stderr>:" in shown[:16] else sink
+                    target.write(shown)
+                    target.flush()
 
     threads = [threading.Thread(target=pump, args=(proc.stdout, out), daemon=True),
                threading.Thread(target=pump, args=(proc.stderr, err), daemon=True)]
