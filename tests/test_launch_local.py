@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from helpers import PY, base_env
 from hvdkit.cli import cli
 from hvdkit.launch.local import LocalLaunch, build_local_command, training_program
+from hvdkit.launch.output import ConsoleFilter
 
 
 def test_horovodrun_line():
@@ -93,3 +94,18 @@ def test_timeline_written_by_rank0(tmp_path, backend):
     # Horovod's timeline names its allreduces; the torch profiler trace has traceEvents
     assert ("ALLREDUCE" in text or "NEGOTIATE" in text) if backend == "horovod" else '"traceEvents"' in text
     assert sorted(p.name for p in tmp_path.iterdir()) == [trace.name]
+
+
+def test_console_hides_tracebacks_and_the_launchers_kill_of_peers_but_keeps_errors():
+    keep = ConsoleFilter()
+    lines = ["[1]<stderr>:Traceback (most recent call last):\n",
+             '[1]<stderr>:  File "x.py", line 1, in <module>\n',
+             "[1]<stderr>:ValueError: boom\n",
+             "[0]<stderr>:Error: loss became NaN/inf at step 7 on rank 1\n",
+             "[0]<stderr>:Terminated\n",
+             "Process 1 exit with status code 1.\n"]
+    shown = [line for line in lines if keep(line) is not None]
+    assert shown == ["[0]<stderr>:Error: loss became NaN/inf at step 7 on rank 1\n"]
+    assert keep.causes == ["ValueError: boom"]
+    # with no rank error before it, a kill is news (scancel, the batch system): shown
+    assert ConsoleFilter()("[0]<stderr>:Terminated\n") == "[0]<stderr>:Terminated\n"

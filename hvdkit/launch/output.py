@@ -27,6 +27,8 @@ _BANNER = re.compile(r"^-{40,}$")
 _LAUNCHER_NOISE = re.compile(r"^(Process \d+ exit with status code \d+\.|"
                              r"Terminating remaining workers after failure of Process \d+\.|"
                              r"Process name: \S+|Exit code: \d+|)$")  # the last: blank lines
+# what a rank's shell prints when the launcher kills it (SIGTERM) because another rank failed
+_KILLED_BY_LAUNCHER = "Terminated"
 _CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
 
 
@@ -60,6 +62,10 @@ class ConsoleFilter:
             self._in_traceback[tag] = True
             return None
         if _LAUNCHER_NOISE.match(text):
+            return None
+        if text == _KILLED_BY_LAUNCHER and self.errors:
+            # a peer of the rank that failed, stopped by the launcher: not a second failure.
+            # Without an Error: line first it stays shown (scancel, a batch system's SIGTERM).
             return None
         if text.startswith("Error: "):
             self.errors.append(text)
