@@ -185,7 +185,8 @@ class TrainConfig:
     asha_trial: int | None = None
     metrics_file: str | None = None
     elastic: bool = False
-    commit_every: int = 10
+    commit_every: int = 10  # fold the epoch loss (and, elastic, commit state to memory) every N steps
+    sample_log: str | None = None  # JSON lines: the sample ids each committed step read
     backend: BackendConfig = field(default_factory=BackendConfig)
 
     def __post_init__(self) -> None:
@@ -197,10 +198,9 @@ class TrainConfig:
             raise ConfigError("--asha-dir and --asha-trial go together",
                               "let 'hvdkit sweep --scheduler asha' pass both")
         if self.elastic and self.asha_dir is not None:
-            raise ConfigError("--asha-dir with --elastic is not supported", "sweep trials run without --elastic")
-        if self.elastic and self.precision != "fp32":
-            raise ConfigError("--precision with --elastic is not supported yet (the elastic loop "
-                              "does not checkpoint a gradient scaler)", "train elastic runs in fp32")
+            raise ConfigError("--asha-dir with --elastic is not supported: a rung compares trials of "
+                              "one fixed size, and rank 0, which judges it, may change in an elastic job",
+                              "sweep trials run without --elastic")
         for name in ("epochs", "batch_size", "num_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", f"raise {name}")

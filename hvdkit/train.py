@@ -9,6 +9,7 @@ which is the *global* rank 0.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import os
@@ -19,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,6 +37,7 @@ from .models import build_model, synthetic_dataset
 from .nonfinite import NonFiniteWatch
 from .precision import autocast, make_scaler
 from .preemption import PreemptionGuard, requeue_slurm_job
+from .samplelog import SampleLog
 from .profiling import step_profiler
 
 __all__ = [
@@ -192,44 +195,74 @@ def _geometry(cfg: TrainConfig, size: int, num_samples: int) -> _Geometry:
 
 
 @dataclass
+class _LrPlan:
+    """What the LR schedule depends on in the current world; re-derived when the world changes."""
+
+    scale: float = 1.0      # world size x accumulation (with --scale-lr): bigger batch, bigger LR
+    warmup_steps: int = 0
+
+    def factor(self, step: int) -> float:
+        return warmup_factor(step, self.warmup_steps, self.scale)
+
+
+@dataclass
 class _Run:
-    """One training run: built once by :func:`_set_up`; the loop pieces below change only
-    ``state`` (where the loop is), ``loss_sum`` (this epoch's running loss), the record of
-    the last save, and ``result``."""
+    """One training run, built once by :func:`_set_up` without talking to other ranks.
+
+    The loop pieces below change only ``state`` (where the loop is), the loss of the epoch so
+    far (``loss_committed``, folded over ranks at every commit, plus this rank's ``loss_sum``
+    since then), the record of the last save, and ``result``. The same object is the state
+    Horovod Elastic commits, rolls back and syncs (``commit_to_memory``, ``roll_back``,
+    ``sync``): elastic training is a mode of this loop, not a second one.
+    """
 
     cfg: TrainConfig
     backend: Backend
     log: Callable[[str], None]
     result: TrainResult
     geo: _Geometry
+    plan: _LrPlan
     dataset: torch.utils.data.Dataset
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler | None
     ckpt: CheckpointManager | None
-    state: TrainingState
     watch: NonFiniteWatch
-    asha: AshaTrial | None
-    loss_sum: torch.Tensor
+    samples: SampleLog | None
+    state: TrainingState = field(default_factory=TrainingState)
+    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    loss_committed: float = 0.0
+    steps_in_epoch: int = 0
     saved_step: int | None = None  # at most one checkpoint per step
     saved_name: str | None = None
+    asha: AshaTrial | None = None
+    memory: dict[str, Any] | None = None  # the last elastic commit, in host memory
+    replay: str = ""  # after a roll-back: which steps are recomputed
 
     @property
     def master(self) -> bool:
         return self.backend.is_master  # global rank 0: the only rank with side effects
 
-    def save(self) -> None:
+    @property
+    def epoch_samples(self) -> int:
+        """Samples in this epoch at the current world size (the epoch ends before a partial batch)."""
+        return self.geo.steps_per_epoch * self.geo.global_batch
+
+    def checkpoint(self) -> None:
         """Collective: checkpoint the current step (once), with every rank's running loss."""
         assert self.ckpt is not None
         if self.saved_step == self.state.global_step:
             return
         self.state.extra = {"loss_sums": self.backend.gather_objects(float(self.loss_sum)),
+                            "loss_committed": self.loss_committed, "steps_in_epoch": self.steps_in_epoch,
                             "epoch_losses": self.result.epoch_losses}
         path = self.ckpt.save(self.model, self.optimizer, self.scheduler, self.state, self.scaler,
                               skip_nonfinite=self.watch.mode == "warn")
         self.saved_step = self.state.global_step
         self.saved_name = path.name if path is not None else self.saved_name
+        if self.samples is not None:  # a resume continues from here, so what led here is logged
+            self.samples.record(self.state.epoch, self.state.global_step)
 
     def check_nonfinite(self, flagged: bool, before_save: bool) -> None:
         """Collective: stop or warn at a non-finite loss; the per-step flag lags one step, so
@@ -237,87 +270,213 @@ class _Run:
         if flagged or (before_save and self.watch.check_now()):
             self.watch.handle(self.state.global_step, self.saved_name, self.log)
 
+    # -- commits: every --commit-every steps and at epoch ends ------------------------------
+    def commit(self) -> None:
+        """Collective: fold the running loss over ranks, log the samples, and (elastic) commit.
+
+        Folding at the same steps in every mode keeps the epoch loss bit-identical between
+        elastic and plain runs; a world that changes between commits then loses nothing.
+        """
+        self.loss_committed += self.backend.allreduce_metric(self.loss_sum)
+        self.loss_sum.zero_()
+        if self.samples is not None:
+            self.samples.record(self.state.epoch, self.state.global_step)
+        if self.cfg.elastic:
+            if self.master and self.cfg.log_every:
+                self.log(f"commit at step {self.state.global_step} (world {self.backend.size})")
+            self.backend.elastic_commit()  # calls commit_to_memory; raises if hosts changed
+
+    def _loop_values(self) -> dict[str, Any]:
+        """The loop's state besides weights and optimizer: small, picklable, world-independent."""
+        return copy.deepcopy({
+            "state": dataclasses.asdict(self.state), "loss_committed": self.loss_committed,
+            "steps_in_epoch": self.steps_in_epoch, "epoch_losses": self.result.epoch_losses,
+            "samples_per_sec": self.result.samples_per_sec, "saved_step": self.saved_step,
+            "saved_name": self.saved_name, "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None})
+
+    def _apply_loop_values(self, v: dict[str, Any]) -> None:
+        self.state = TrainingState(**v["state"])
+        self.loss_committed, self.steps_in_epoch = v["loss_committed"], v["steps_in_epoch"]
+        self.result.epoch_losses, self.result.samples_per_sec = v["epoch_losses"], v["samples_per_sec"]
+        self.saved_step, self.saved_name = v["saved_step"], v["saved_name"]
+        self.scheduler.load_state_dict(v["scheduler"])
+        if self.scaler is not None and v["scaler"] is not None:
+            self.scaler.load_state_dict(v["scaler"])
+
+    def commit_to_memory(self) -> None:
+        """Elastic: copy the state to host memory (what a roll-back returns to)."""
+        self.memory = {"model": copy.deepcopy(self.backend.unwrap(self.model).state_dict()),
+                       "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                       "loop": self._loop_values(), "loss_sum": float(self.loss_sum)}
+
+    def roll_back(self) -> None:
+        """Elastic, after a collective failed: back to the last commit; later steps are redone."""
+        if self.memory is None:  # failed before the first commit: the next sync starts afresh
+            return
+        lost = self.state.global_step
+        self.backend.unwrap(self.model).load_state_dict(self.memory["model"])
+        self.optimizer.load_state_dict(self.memory["optimizer"])
+        self._apply_loop_values(copy.deepcopy(self.memory["loop"]))
+        self.loss_sum.fill_(self.memory["loss_sum"])
+        if self.samples is not None:
+            self.samples.discard()
+        if lost > self.state.global_step:
+            self.replay = f"; steps {self.state.global_step + 1}..{lost} are done again"
+
+    def sync(self) -> None:
+        """Collective: every rank takes the newest state any rank holds.
+
+        At the start of a job no rank holds any: rank 0 restores the newest checkpoint (or its
+        fresh weights) for everyone. After an elastic reset the survivors hold their last
+        commit and a new worker holds nothing; the state comes from the lowest rank with the
+        newest commit (not blindly rank 0, which may be the newcomer).
+        """
+        backend = self.backend
+        have = backend.gather_objects((self.state.global_step if self.memory is not None else -1,
+                                       float(self.loss_sum)))
+        newest = max(step for step, _ in have)
+        if newest < 0:
+            self._restore_or_broadcast()
+        else:
+            src = [step for step, _ in have].index(newest)
+            backend.broadcast_state(self.model, self.optimizer, root=src)
+            self._apply_loop_values(backend.broadcast_object(
+                self._loop_values() if backend.rank == src else None, src))
+            if any(step != newest for step, _ in have):  # a newcomer: fold what the others ran
+                self.loss_committed += sum(p for _, p in have) / sum(step == newest for step, _ in have)
+                self.loss_sum.zero_()
+        if self.samples is not None:
+            self.samples.truncate(self.state.global_step)  # records of rolled-back steps go
+        if self.cfg.elastic:
+            self.commit_to_memory()
+
+    def _restore_or_broadcast(self) -> None:
+        """Collective: the newest valid checkpoint of rank 0, or rank 0's fresh weights."""
+        cfg, backend = self.cfg, self.backend
+        restored = self.ckpt.restore(self.model, self.optimizer, self.scheduler, self.scaler) \
+            if (self.ckpt and cfg.resume) else None
+        if restored is None and not (self.ckpt and cfg.resume):  # restore() already broadcast
+            backend.broadcast_state(self.model, self.optimizer)
+        self.state = restored or TrainingState()
+        extra = self.state.extra
+        self.result.epoch_losses = list(extra.get("epoch_losses", []))
+        self.loss_committed = float(extra.get("loss_committed", 0.0))
+        self.steps_in_epoch = int(extra.get("steps_in_epoch", self.state.samples_in_epoch // self.geo.global_batch))
+        sums = extra.get("loss_sums") or []
+        # this rank's own running loss if the world is unchanged, else their mean
+        mine = float(sums[backend.rank]) if len(sums) == backend.size else sum(sums) / max(len(sums), 1)
+        self.loss_sum.fill_(mine)
+        if self.ckpt and self.state.global_step:
+            self.saved_step, self.saved_name = self.state.global_step, f"ckpt-{self.state.global_step:09d}.h5"
+
+    def on_reset(self) -> None:
+        """Elastic: the world changed (after the backend re-formed it, before :meth:`sync`)."""
+        print(f"[hvdkit] reset: rank {self.backend.rank} of {self.backend.size} (host "
+              f"{self.backend.slot_host()}, pid {os.getpid()}), continuing from committed step "
+              f"{self.state.global_step} at sample {self.state.samples_in_epoch} of epoch "
+              f"{self.state.epoch}'s order{self.replay}", file=sys.stderr, flush=True)
+        self.replay = ""
+
 
 def _set_up(cfg: TrainConfig, backend: Backend, log: Callable[[str], None], result: TrainResult) -> _Run:
-    """Placement, data, model, optimizer, schedule, and the state to start from (restored or fresh)."""
-    master = backend.is_master
+    """Data, model, optimizer and schedule; local to this rank (no collective: an elastic
+    newcomer builds these while the others are already training)."""
+    dataset = _open_data(cfg, backend.is_master)
+    samples = SampleLog(cfg.sample_log, backend) if cfg.sample_log else None
+    if samples is not None:
+        dataset = samples.watch(dataset)
+    geo = _geometry(cfg, backend.size, len(dataset))
+    # Ranks start from *different* weights on purpose: broadcast_state (or
+    # restore) must make them rank 0's, and the tests check that it does.
+    torch.manual_seed(cfg.seed + backend.rank)
+    model = build_model(cfg.model, seed=cfg.seed + backend.rank)
+    plan = _LrPlan()
+    optimizer = make_optimizer(cfg, model.parameters(), cfg.lr)
+    model, optimizer = backend.wrap(model, optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.factor)
+    return _Run(cfg=cfg, backend=backend, log=log, result=result, geo=geo, plan=plan, dataset=dataset,
+                model=model, optimizer=optimizer, scheduler=scheduler,
+                scaler=make_scaler(cfg.precision, backend.device),  # fp16 only; checkpointed
+                ckpt=CheckpointManager(cfg.checkpoint_dir, backend, cfg.keep_checkpoints) if cfg.checkpoint_dir else None,
+                watch=NonFiniteWatch(backend, cfg.on_nonfinite), samples=samples,
+                loss_sum=torch.zeros((), dtype=torch.float64, device=backend.device))
+
+
+def _enter(run: _Run) -> None:
+    """Collective, at the start and after every elastic reset: where the ranks are, and what
+    depends on the world size (batch geometry, LR scale and warm-up)."""
+    cfg, backend, result = run.cfg, run.backend, run.result
     size, accum = backend.size, cfg.backend.accumulation_steps
+    result.world_size = size
     result.placement = backend.gather_objects(
         {"rank": backend.rank, "local_rank": backend.local_rank, "host": socket.gethostname(),
          "pid": os.getpid(), "threads": torch.get_num_threads()})
     result.ranks = [f"{p['rank']}@{p['host']}:{p['pid']}" for p in result.placement]
     result.topology = backend.topology([p["host"] for p in result.placement])
-
-    dataset = _open_data(cfg, master)
-    geo = _geometry(cfg, size, len(dataset))
-    if master and cfg.global_batch_size not in (None, geo.global_batch):
-        log(f"WARNING: global batch {cfg.global_batch_size} rounded down to {geo.global_batch}")
-
-    # Ranks start from *different* weights on purpose: broadcast_state (or
-    # restore) must make them rank 0's, and the tests check that it does.
-    torch.manual_seed(cfg.seed + backend.rank)
-    model = build_model(cfg.model, seed=cfg.seed + backend.rank)
-    lr_scale = float(size * accum) if cfg.scale_lr else 1.0  # bigger global batch, bigger LR
-    optimizer = make_optimizer(cfg, model.parameters(), cfg.lr * lr_scale)
-    model, optimizer = backend.wrap(model, optimizer)
-    warmup_steps = int(cfg.warmup_epochs * geo.steps_per_epoch)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_factor(step, warmup_steps, lr_scale)
-    )
-
-    scaler = make_scaler(cfg.precision, backend.device)  # fp16 only; its state is checkpointed
-    ckpt = CheckpointManager(cfg.checkpoint_dir, backend, cfg.keep_checkpoints) if cfg.checkpoint_dir else None
-    state = ckpt.restore(model, optimizer, scheduler, scaler) if (ckpt and cfg.resume) else None
-    if state is None:
-        if not (ckpt and cfg.resume):  # restore() already broadcast rank 0's weights
-            backend.broadcast_state(model, optimizer)
-        state = TrainingState()
-    result.epoch_losses = list(state.extra.get("epoch_losses", []))
-    if master:
-        log(f"{backend.describe()}; {cfg.precision}; world {size}, batch {geo.batch}/rank, global {geo.global_batch}, "
-            f"lr {cfg.lr * lr_scale:g}, {geo.steps_per_epoch} steps/epoch, "
-            f"{result.topology['nodes']} node(s) {' '.join(result.topology['hosts'])}, start step "
-            f"{state.global_step}, slurm restarts {os.environ.get('SLURM_RESTART_COUNT', '0')}")
-    return _Run(cfg=cfg, backend=backend, log=log, result=result, geo=geo, dataset=dataset, model=model,
-                optimizer=optimizer, scheduler=scheduler, scaler=scaler, ckpt=ckpt, state=state,
-                watch=NonFiniteWatch(backend, cfg.on_nonfinite),
-                asha=AshaTrial(cfg.asha_dir, cfg.asha_trial) if master and cfg.asha_dir else None,
-                loss_sum=torch.zeros((), dtype=torch.float64, device=backend.device),
-                saved_name=f"ckpt-{state.global_step:09d}.h5" if ckpt and state.global_step else None)
+    run.geo = geo = _geometry(cfg, size, len(run.dataset))
+    if run.master and cfg.global_batch_size not in (None, geo.global_batch):
+        run.log(f"WARNING: global batch {cfg.global_batch_size} rounded down to {geo.global_batch}")
+    run.plan.scale = float(size * accum) if cfg.scale_lr else 1.0
+    run.plan.warmup_steps = int(cfg.warmup_epochs * geo.steps_per_epoch)
+    # the LR of the *current* world, also after a restore from a checkpoint of another size
+    run.scheduler.base_lrs = [cfg.lr * run.plan.scale for _ in run.optimizer.param_groups]
+    for group, lr in zip(run.optimizer.param_groups, run.scheduler.base_lrs):
+        group["lr"] = lr * run.plan.factor(run.state.global_step)
+    run.scheduler._last_lr = [g["lr"] for g in run.optimizer.param_groups]  # noqa: SLF001 - get_last_lr()
+    if cfg.asha_dir and run.master and run.asha is None:
+        run.asha = AshaTrial(cfg.asha_dir, cfg.asha_trial)
+    if run.master:
+        run.log(f"{backend.describe()}; {cfg.precision}; world {size}, batch {geo.batch}/rank, global {geo.global_batch}, "
+                f"lr {cfg.lr * run.plan.scale:g}, {geo.steps_per_epoch} steps/epoch, "
+                f"{result.topology['nodes']} node(s) {' '.join(result.topology['hosts'])}, start step "
+                f"{run.state.global_step}, slurm restarts {os.environ.get('SLURM_RESTART_COUNT', '0')}, "
+                f"ranks {' '.join(result.ranks)}")
 
 
 def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
            result: TrainResult) -> TrainResult:
     run = _set_up(cfg, backend, log, result)
+    if cfg.elastic:
+        print(f"[hvdkit] elastic worker rank {backend.rank} of {backend.size} host "
+              f"{backend.slot_host()} pid {os.getpid()}", file=sys.stderr, flush=True)
+        # sync, then the loop; after a lost or added worker: roll back or keep, re-sync, re-enter
+        backend.run_elastic(lambda: _loop(run), run)
+    else:
+        run.sync()
+        _loop(run)
+    return result
+
+
+def _loop(run: _Run) -> None:
+    """The epochs from wherever ``run.state`` says; re-entered after an elastic reset."""
+    cfg, backend = run.cfg, run.backend
+    _enter(run)
     state = run.state
-    sampler = ShardSampler(len(run.dataset), backend.size, backend.rank, seed=cfg.seed)
     done = cfg.max_steps is not None and state.global_step >= cfg.max_steps
     # --timeline: Horovod writes its own (set at init); other backends take a profiler trace here
     timeline = backend.profiler_trace_path(cfg.backend.horovod.timeline)
     with PreemptionGuard() as guard, step_profiler(timeline, run.master) as profiler:
-        for epoch in range(state.epoch, cfg.epochs if not done else state.epoch):
-            sampler.set_epoch(epoch, start=state.samples_in_epoch)
-            first_step = state.samples_in_epoch // run.geo.global_batch
-            t0 = time.perf_counter()
-            if _one_epoch(run, sampler, first_step, guard, profiler):
-                return result  # preempted or at --max-steps: saved and reported
-            if not _end_epoch(run, epoch, first_step, time.perf_counter() - t0):
+        while not done and run.state.epoch < cfg.epochs:
+            state = run.state
+            sampler = ShardSampler(len(run.dataset), backend.size, backend.rank, seed=cfg.seed)
+            sampler.set_epoch(state.epoch, start=state.samples_in_epoch)
+            first_sample, t0 = state.samples_in_epoch, time.perf_counter()
+            if _one_epoch(run, sampler, guard, profiler):
+                return  # preempted or at --max-steps: saved and reported
+            if not _end_epoch(run, state.samples_in_epoch - first_sample, time.perf_counter() - t0):
                 break  # ASHA pruned this trial
-
-    result.global_step = state.global_step
-    _report_done(cfg, backend, run.model, result, log)
-    return result
+    run.result.global_step = run.state.global_step
+    _report_done(cfg, backend, run.model, run.result, run.log)
 
 
-def _one_epoch(run: _Run, sampler: ShardSampler, first_step: int, guard: PreemptionGuard,
+def _one_epoch(run: _Run, sampler: ShardSampler, guard: PreemptionGuard,
                profiler) -> bool:  # noqa: ANN001 - torch profiler or a no-op
-    """The steps of one epoch from ``first_step``; True when the run must end here."""
+    """The steps of the epoch from ``state.samples_in_epoch``; True when the run must end here."""
     cfg, backend, state, geo = run.cfg, run.backend, run.state, run.geo
     batches = iter(DataLoader(run.dataset, batch_size=geo.batch, sampler=sampler, drop_last=True))
-    # a tensor, so that the loss is never pulled to the host inside the step
-    run.loss_sum = torch.tensor(_resumed_loss_sum(state, backend), dtype=torch.float64, device=backend.device)
     run.model.train()
-    for step_in_epoch in range(first_step, geo.steps_per_epoch):
+    while state.samples_in_epoch + geo.global_batch <= run.epoch_samples:
         # Agree on preemption and earlier non-finite losses while this step computes.
         agreement = backend.start_any_flags([guard.requested, run.watch.flag()])
         loss = train_step(backend, run.model, run.optimizer, batches, cfg.backend.accumulation_steps,
@@ -329,19 +488,20 @@ def _one_epoch(run: _Run, sampler: ShardSampler, first_step: int, guard: Preempt
         state.global_step += 1
         state.samples_in_epoch += geo.global_batch
         state.samples_seen += geo.global_batch
+        run.steps_in_epoch += 1
         if run.master and cfg.log_every and state.global_step % cfg.log_every == 0:
             run.log(f"step {state.global_step} loss {loss.item():.6f} "
                     f"lr {run.scheduler.get_last_lr()[0]:.5g}")
 
         stop, nonfinite = agreement()  # the same answers on every rank
         limit = cfg.max_steps is not None and state.global_step >= cfg.max_steps
-        # the epoch's last step is saved by the epoch-end checkpoint
-        periodic = (cfg.checkpoint_every and state.global_step % cfg.checkpoint_every == 0
-                    and step_in_epoch + 1 < geo.steps_per_epoch)
+        # the epoch's last step is saved and committed at the epoch's end
+        more = state.samples_in_epoch + geo.global_batch <= run.epoch_samples
+        periodic = bool(cfg.checkpoint_every and state.global_step % cfg.checkpoint_every == 0 and more)
         wants_save = bool(run.ckpt and (stop or limit or periodic))
         run.check_nonfinite(nonfinite and not run.watch.warned, before_save=wants_save)
         if wants_save:
-            run.save()
+            run.checkpoint()
         if stop:
             _report_preemption(cfg, backend, guard, state, run.result, bool(run.ckpt), run.log)
             return True
@@ -350,32 +510,38 @@ def _one_epoch(run: _Run, sampler: ShardSampler, first_step: int, guard: Preempt
                 run.log(f"stopped at max_steps={cfg.max_steps}{'; checkpoint saved' if run.ckpt else ''}")
             run.result.global_step = state.global_step
             return True
+        if more and state.global_step % cfg.commit_every == 0:
+            run.commit()
     return False
 
 
-def _end_epoch(run: _Run, epoch: int, first_step: int, seconds: float) -> bool:
-    """Epoch loss and throughput, the non-finite check, ASHA's rung, the epoch checkpoint.
+def _end_epoch(run: _Run, samples_here: int, seconds: float) -> bool:
+    """Epoch loss and throughput, the non-finite check, ASHA's rung, the epoch checkpoint and commit.
 
     Returns False when ASHA pruned the trial.
     """
-    backend, geo, state = run.backend, run.geo, run.state
+    backend, state = run.backend, run.state
+    epoch = state.epoch
     # Throughput of the slowest rank is the job's throughput.
     slowest = backend.allreduce_metric(seconds, op="max")
-    steps_here = geo.steps_per_epoch - first_step
-    sps = steps_here * geo.global_batch / slowest if slowest > 0 else float("nan")
-    epoch_loss = backend.allreduce_metric(run.loss_sum / geo.steps_per_epoch)
+    sps = samples_here / slowest if slowest > 0 else float("nan")
+    epoch_loss = (run.loss_committed + backend.allreduce_metric(run.loss_sum)) / max(run.steps_in_epoch, 1)
+    if run.samples is not None:  # while the state still says which epoch they belong to
+        run.samples.record(epoch, state.global_step)
     run.result.epoch_losses.append(epoch_loss)
     run.result.samples_per_sec.append(sps)
     if run.master:
         run.log(f"epoch {epoch} loss {epoch_loss:.6f} samples/s {sps:.1f} ({backend.size} ranks)")
-    state.epoch, state.samples_in_epoch = epoch + 1, 0
     run.check_nonfinite(not run.watch.warned and run.watch.check_now(), before_save=False)
+    state.epoch, state.samples_in_epoch = epoch + 1, 0
     run.loss_sum.zero_()
+    run.loss_committed, run.steps_in_epoch = 0.0, 0
     # ASHA decides before the save: a trial requeued in between meets the same rung
     # again and reuses the recorded decision
     go_on = _asha_rung(run.cfg, run.asha, backend, state.epoch, epoch_loss, run.result, run.log)
     if run.ckpt:
-        run.save()
+        run.checkpoint()
+    run.commit()
     return go_on
 
 
@@ -439,14 +605,6 @@ def _open_data(cfg: TrainConfig, master: bool) -> torch.utils.data.Dataset:
     except HvdkitError as err:
         err.echo = master  # every rank reads the same file and fails the same way
         raise
-
-
-def _resumed_loss_sum(state: TrainingState, backend: Backend) -> float:
-    """This rank's running loss sum for the epoch being resumed (its own if the world is unchanged)."""
-    sums = state.extra.get("loss_sums")
-    if not sums:
-        return 0.0
-    return float(sums[backend.rank]) if len(sums) == backend.size else sum(sums) / len(sums)
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -340,7 +340,8 @@ def test_elastic_across_nodes_survives_a_lost_node(tmp_path, nodes_restored):
     workers = set(re.findall(r"elastic worker rank \d+ of \d+ host (node\d)", text))
     assert workers == {"node1", "node2"}, text[-3000:]
     resets = re.findall(r"reset: rank 0 of (\d) ", text)
-    assert resets[:2] == ["1", "2"], resets
+    # shrink first, grow later (a busy machine may show the loss as two resets of world 1)
+    assert resets[0] == "1" and "2" in resets[resets.index("1"):], resets
     done = re.search(r"done: backend=horovod world=(\d) .*params_identical_on_all_ranks=True", text)
     assert done and done.group(1) == "2", text[-3000:]
 

@@ -8,14 +8,15 @@ import re
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
 
 from ..config import BackendConfig
+from ..errors import ConfigError
 
-__all__ = ["Backend", "share_node_cores"]
+__all__ = ["Backend", "ElasticLoop", "share_node_cores"]
 
 T = TypeVar("T")
 
@@ -31,6 +32,22 @@ def share_node_cores(hosts: list[str]) -> int:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // per_node))
     return torch.get_num_threads()
+
+
+class ElasticLoop(Protocol):
+    """What an elastic backend needs from the training loop's state."""
+
+    def commit_to_memory(self) -> None:
+        """Copy the state to host memory."""
+
+    def roll_back(self) -> None:
+        """Return to the last copy (a collective failed: a worker was lost)."""
+
+    def sync(self) -> None:
+        """Collective: every rank takes the newest state (after a start or a reset)."""
+
+    def on_reset(self) -> None:
+        """The world changed; called after the backend re-formed it, before :meth:`sync`."""
 
 
 class Backend(ABC):
@@ -115,6 +132,19 @@ class Backend(ABC):
             return
         scaler.step(optimizer)
         scaler.update()
+
+    # -- elastic training ------------------------------------------------------------------
+    def run_elastic(self, body: Callable[[], T], loop: ElasticLoop) -> T:
+        """Run ``body`` so that it survives lost and added workers: ``loop.sync()`` first; after
+        a failure ``loop.roll_back()``, re-form the world, ``loop.on_reset()``, sync, run again."""
+        raise ConfigError(f"--elastic is not available with --backend {self.name}",
+                          "use --backend horovod under 'hvdkit run --elastic'; other backends "
+                          "recover by rerunning the job, which resumes from its last checkpoint")
+
+    def elastic_commit(self) -> None:
+        """Inside :meth:`run_elastic`: ``loop.commit_to_memory()``, then raise the backend's
+        interrupt on every rank if workers are waiting to join or leave."""
+        raise NotImplementedError
 
     # -- what this backend's failures look like ------------------------------------------
     # Substrings of the errors a collective raises when a peer died or stalled; each
@@ -210,6 +240,10 @@ class Backend(ABC):
         """
         return {"nodes": len(set(hosts)), "hosts": sorted(set(hosts)),
                 "master_addr": os.environ.get("MASTER_ADDR")}
+
+    def slot_host(self) -> str:
+        """The host name the launcher placed this rank on (for messages about workers)."""
+        return socket.gethostname()
 
     def describe(self) -> str:
         """One line for logs."""

@@ -16,8 +16,8 @@ from torch import nn
 
 from ..config import BackendConfig
 from ..environments import detect_environment
-from ..errors import BackendUnavailableError, HvdkitError, LauncherEnvError
-from .base import Backend
+from ..errors import BackendUnavailableError, ConfigError, HvdkitError, LauncherEnvError
+from .base import Backend, ElasticLoop
 from .buckets import bucketed_optimizer
 
 T = TypeVar("T")
@@ -70,7 +70,13 @@ class HorovodBackend(Backend):
         self._check_world()
         if torch.cuda.is_available():
             torch.cuda.set_device(hvd.local_rank())
-        self.limit_cpu_threads()
+        # horovodrun --min-np/--max-np marks its workers; a newcomer must not start a
+        # collective here while the others are busy (run_elastic's sync limits the threads)
+        self.elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+        self._elastic_state: Any = None
+        self._optimizer: Any = None
+        if not self.elastic:
+            self.limit_cpu_threads()
 
     def _check_world(self) -> None:
         """Catch the classic 'every rank thinks it is alone' launcher/MPI mismatch."""
@@ -129,7 +135,51 @@ class HorovodBackend(Backend):
                 dist_opt = self.hvd.DistributedOptimizer(optimizer, **common)
         except ValueError as exc:
             raise HvdkitError(f"Horovod rejected the optimizer options: {exc}", "see hvdkit train --help") from None
+        self._optimizer = dist_opt  # an elastic reset rebuilds its buckets
         return model, dist_opt
+
+    def slot_host(self) -> str:
+        """horovodrun's name for this worker's host (as in -H or the discovery script)."""
+        return os.environ.get("HOROVOD_HOSTNAME") or super().slot_host()
+
+    def run_elastic(self, body: Callable[[], T], loop: ElasticLoop) -> T:
+        """Horovod Elastic (``hvd.elastic.run``) around ``body``, with ``loop`` as its state.
+
+        Horovod's ``TorchState`` would broadcast the optimizer with a hidden zero-gradient
+        step and always from rank 0; the loop's own sync does neither.
+        """
+        if not self.elastic:
+            raise ConfigError("--elastic needs horovodrun's elastic mode (--min-np/--max-np and a "
+                              "host discovery script); this process was not started by it",
+                              "start it with 'hvdkit run --elastic' or 'hvdkit slurm --elastic'")
+        if self.config.horovod.cycle_time_ms is not None:
+            raise ConfigError("--cycle-time-ms cannot be combined with --elastic",
+                              "Horovod 0.28.1 crashes when re-initialised with HOROVOD_CYCLE_TIME set")
+        from horovod.common.elastic import State
+
+        backend = self
+
+        class _State(State):  # type: ignore[misc]
+            def save(self) -> None:
+                loop.commit_to_memory()
+
+            def restore(self) -> None:
+                loop.roll_back()
+
+            def sync(self) -> None:
+                backend.reset_collective_names()  # every rank counts collectives from here
+                backend.limit_cpu_threads()       # the ranks on each node may have changed
+                loop.sync()
+
+            def reset(self) -> None:  # the world was re-formed: no handle of the old one survives
+                backend.reset_reducer(backend._optimizer)
+
+        self._elastic_state = _State(bcast_object=self.broadcast_object, get_rank=self.hvd.rank)
+        self._elastic_state.register_reset_callbacks([loop.on_reset])
+        return self.hvd.elastic.run(lambda _state: body())(self._elastic_state)  # type: ignore[no-any-return]
+
+    def elastic_commit(self) -> None:
+        self._elastic_state.commit()
 
     def profiler_trace_path(self, timeline: str | None) -> str | None:
         return None  # HOROVOD_TIMELINE, set before hvd.init(), writes Horovod's own timeline

@@ -106,21 +106,20 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
            "or warn and go on (checkpoints with NaN/inf weights are skipped).")
 @_opt("--log-every", type=click.IntRange(min=0), default=0, help="Print the loss every N steps.")
 @_opt("--elastic/--no-elastic", default=False, help="Horovod Elastic (run under horovodrun --min-np/--max-np).")
-@_opt("--commit-every", type=click.IntRange(min=1), default=10, help="Elastic: commit state every N steps.")
+@_opt("--commit-every", type=click.IntRange(min=1), default=10,
+      help="Every N steps: fold the epoch loss over ranks and, with --elastic, commit the state "
+           "to host memory (a lost worker costs at most N steps).")
+@_opt("--sample-log", type=click.Path(dir_okay=False), default=None,
+      help="Rank 0 appends the sample ids every committed step read (JSON lines), for audits.")
 @_opt("--metrics-file", type=click.Path(dir_okay=False), default=None, help="Rank 0 writes a JSON summary.")
 @translate_errors
 def train_command(**options: Any) -> None:
     """Train an example model; run it under horovodrun, mpirun or srun for N ranks."""
     cfg = build_train_config(options)
     try:
-        if cfg.elastic:
-            from ..elastic import train_elastic
+        from ..train import train
 
-            result = train_elastic(cfg)
-        else:
-            from ..train import train
-
-            result = train(cfg)
+        result = train(cfg)
     except HvdkitError:
         raise
     except Exception as exc:  # noqa: BLE001 - a bug or bad data: traceback, then one line
