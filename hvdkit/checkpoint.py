@@ -27,7 +27,6 @@ import os
 import random
 import re
 import shutil
-import sys
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from . import __version__
 from .errors import CheckpointError, first_line
 from .fileio import write_text_atomic
 from .h5tree import ChecksumMismatch, crc32_of, read_tree, write_tree
+from .log import diag, warn
 
 __all__ = [
     "TrainingState",
@@ -389,10 +389,6 @@ def nonfinite_tensor(tensors: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
-def _log(msg: str) -> None:
-    print(f"[hvdkit] {msg}", file=sys.stderr, flush=True)
-
-
 class CheckpointManager:
     """Collective save/restore: rank 0 does the file I/O, every rank takes part.
 
@@ -439,7 +435,7 @@ class CheckpointManager:
             try:
                 return path, read_checkpoint(path, verify=True)
             except CheckpointError as exc:
-                _log(f"WARNING: skipping {path.name}: {exc.message}; trying the previous checkpoint")
+                warn(f"skipping {path.name}: {exc.message}; trying the previous checkpoint")
         return None
 
     # -- collectives ------------------------------------------------------------
@@ -473,7 +469,7 @@ class CheckpointManager:
                 weights = self.backend.unwrap(model).state_dict()
                 bad = nonfinite_tensor(weights)
                 if bad is not None and skip_nonfinite:
-                    _log(f"WARNING: not saving step {state.global_step}: parameter {bad} holds "
+                    warn(f"not saving step {state.global_step}: parameter {bad} holds "
                          "NaN/inf; the previous checkpoints are kept")
                     outcome = (True, None)
                 elif bad is not None:
@@ -536,5 +532,5 @@ class CheckpointManager:
         if info["world_size"] == self.backend.size and len(info["rng"]) == self.backend.size:
             restore_rng(info["rng"][self.backend.rank])
         if self.backend.is_master:
-            _log(f"resumed from {info['path']} (step {info['state']['global_step']})")
+            diag(f"resumed from {info['path']} (step {info['state']['global_step']})")
         return TrainingState(**info["state"])

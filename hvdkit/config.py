@@ -187,6 +187,8 @@ class TrainConfig:
     elastic: bool = False
     commit_every: int = 10  # fold the epoch loss (and, elastic, commit state to memory) every N steps
     sample_log: str | None = None  # JSON lines: the sample ids each committed step read
+    uneven: bool = False  # keep every sample: shards may differ, ranks that finish early join
+    log_level: str = "INFO"  # INFO: rank 0 speaks; DEBUG: every rank, with more detail
     backend: BackendConfig = field(default_factory=BackendConfig)
 
     def __post_init__(self) -> None:
@@ -194,6 +196,7 @@ class TrainConfig:
         _choice("optimizer", self.optimizer, ("sgd", "adam", "adamw"))
         _choice("on_nonfinite", self.on_nonfinite, ("stop", "warn"))
         _choice("precision", self.precision, PRECISIONS)
+        _choice("log_level", self.log_level, ("DEBUG", "INFO", "WARNING"))
         if (self.asha_dir is None) != (self.asha_trial is None):
             raise ConfigError("--asha-dir and --asha-trial go together",
                               "let 'hvdkit sweep --scheduler asha' pass both")
@@ -201,6 +204,13 @@ class TrainConfig:
             raise ConfigError("--asha-dir with --elastic is not supported: a rung compares trials of "
                               "one fixed size, and rank 0, which judges it, may change in an elastic job",
                               "sweep trials run without --elastic")
+        if self.uneven:
+            for bad, why in ((self.backend.accumulation_steps > 1, "--accumulation-steps above 1"),
+                             (self.elastic, "--elastic"), (self.precision == "fp16", "--precision fp16"),
+                             (self.steps_per_epoch is not None, "--steps-per-epoch")):
+                if bad:
+                    raise ConfigError(f"--uneven cannot be combined with {why} (a rank that has joined "
+                                      "cannot take part in it)", f"drop {why} or --uneven")
         for name in ("epochs", "batch_size", "num_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", f"raise {name}")

@@ -49,15 +49,20 @@ def per_rank_batch_size(
 
 
 class ShardSampler(Sampler[int]):
-    """Indices for one rank: ``permutation(epoch)[start:][rank::size]``, drop-last."""
+    """Indices for one rank: ``permutation(epoch)[start:][rank::size]``.
+
+    By default the tail that does not divide by ``size`` is dropped, so every rank has as
+    many samples; ``uneven=True`` keeps it (lower ranks get one sample more).
+    """
 
     def __init__(
-        self, num_samples: int, num_replicas: int, rank: int, seed: int = 0, shuffle: bool = True
+        self, num_samples: int, num_replicas: int, rank: int, seed: int = 0, shuffle: bool = True,
+        uneven: bool = False,
     ) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} not in [0, {num_replicas})")
         self.num_samples, self.num_replicas, self.rank = num_samples, num_replicas, rank
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.uneven = seed, shuffle, uneven
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
@@ -72,11 +77,18 @@ class ShardSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         order = self._order()[self.start :]
-        usable = len(order) // self.num_replicas * self.num_replicas
+        usable = len(order) if self.uneven else len(order) // self.num_replicas * self.num_replicas
         return iter(order[:usable][self.rank :: self.num_replicas].tolist())
 
     def __len__(self) -> int:
-        return (self.num_samples - self.start) // self.num_replicas
+        return self.shard_length(self.rank)
+
+    def shard_length(self, rank: int) -> int:
+        """How many samples ``rank`` gets (every rank can compute every rank's)."""
+        left = self.num_samples - self.start
+        if not self.uneven:
+            return left // self.num_replicas
+        return left // self.num_replicas + (1 if rank < left % self.num_replicas else 0)
 
 
 class H5Dataset(Dataset):

@@ -12,11 +12,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
+import time
 from types import FrameType
 from typing import Any
 
-__all__ = ["PreemptionGuard", "requeue_slurm_job", "EXIT_PREEMPTED"]
+from .log import diag
+
+__all__ = ["PreemptionGuard", "requeue_slurm_job", "EXIT_PREEMPTED", "STOP_FILE_VAR"]
 
 # Exit status of a run that stopped early on a signal (checkpoint saved) and was NOT
 # requeued: non-zero, so Slurm does not report COMPLETED for unfinished work.
@@ -27,20 +29,38 @@ REQUEUE_SIGNALS = (signal.SIGUSR1,)
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
-class PreemptionGuard:
-    """Context manager installing handlers for USR1/TERM on the main thread."""
+# A file whose appearance means SIGUSR1, for ranks no signal can reach: an elastic job's
+# workers are started by horovodrun over ssh, not by Slurm, so the batch shell traps the
+# signal and creates this file instead (see slurm/_header.sbatch).
+STOP_FILE_VAR = "HVDKIT_STOP_FILE"
+_STOP_FILE_POLL_S = 1.0
 
-    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
+
+class PreemptionGuard:
+    """Context manager installing handlers for USR1/TERM on the main thread.
+
+    With ``stop_file`` (default: ``$HVDKIT_STOP_FILE``) the file's appearance counts as
+    SIGUSR1; it is looked for at most once a second.
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS,
+                 stop_file: str | None = None) -> None:
         self.signals = signals
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
+        self.stop_file = stop_file if stop_file is not None else os.environ.get(STOP_FILE_VAR) or None
+        self._next_look = 0.0
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
 
     @property
     def requested(self) -> bool:
-        """True once one of the signals arrived in this process."""
+        """True once one of the signals arrived in this process (or the stop file appeared)."""
+        if self.received is None and self.stop_file and time.monotonic() >= self._next_look:
+            self._next_look = time.monotonic() + _STOP_FILE_POLL_S
+            if os.path.exists(self.stop_file):
+                self.received = signal.SIGUSR1
         return self.received is not None
 
     @property
@@ -80,5 +100,5 @@ def requeue_slurm_job(environ: dict[str, str] | None = None) -> str:
     if proc.returncode != 0:
         detail = (proc.stderr or proc.stdout).strip().splitlines()
         return f"scontrol requeue {job} failed: {detail[0] if detail else proc.returncode}"
-    print(f"[hvdkit] requeued Slurm job {job}", file=sys.stderr, flush=True)
+    diag(f"requeued Slurm job {job}")
     return f"requeued Slurm job {job}"

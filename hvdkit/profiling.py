@@ -12,6 +12,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from .log import diag
+
 __all__ = ["step_profiler"]
 
 
@@ -36,8 +38,7 @@ def step_profiler(path: str | None, active: bool, steps: int = 5) -> Iterator[An
 
     def export(prof: Any) -> None:
         prof.export_chrome_trace(path)
-        print(f"[hvdkit] wrote profiler trace {path} (open in chrome://tracing or ui.perfetto.dev)",
-              flush=True)
+        diag(f"wrote profiler trace {path} (open in chrome://tracing or ui.perfetto.dev)")
 
     with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=steps, repeat=1),
                  on_trace_ready=export, record_shapes=False) as prof:

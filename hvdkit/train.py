@@ -9,6 +9,7 @@ which is the *global* rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -38,6 +39,9 @@ from .nonfinite import NonFiniteWatch
 from .precision import autocast, make_scaler
 from .preemption import PreemptionGuard, requeue_slurm_job
 from .samplelog import SampleLog
+from .log import configure as configure_log
+from .log import debug, diag, warn
+from .log import result as result_line
 from .profiling import step_profiler
 
 __all__ = [
@@ -95,15 +99,12 @@ def param_digest(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def _log(msg: str) -> None:
-    print(f"[hvdkit] {msg}", flush=True)
-
-
 def train(cfg: TrainConfig, backend: Backend | None = None,
-          log: Callable[[str], None] = _log) -> TrainResult:
+          log: Callable[[str], None] = result_line) -> TrainResult:
     """Run one training job; collective, so every rank must call it."""
     owns_backend = backend is None
     backend = backend or create_backend(cfg.backend)
+    configure_log(cfg.log_level, rank=lambda: backend.rank)  # rank 0 speaks; elastic ranks change
     result = TrainResult(backend=backend.name, world_size=backend.size)
     try:
         return _train(cfg, backend, log, result)
@@ -146,14 +147,15 @@ def _peers_text(me: int, placement: list[dict], size: int) -> str:
 def train_step(backend: Backend, model: nn.Module, optimizer: torch.optim.Optimizer,
                batches: Iterator[tuple[torch.Tensor, torch.Tensor]], accum: int,
                device: torch.device, precision: str = "fp32",
-               scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
+               scaler: torch.amp.GradScaler | None = None, weight: float | None = None) -> torch.Tensor:
     """One optimizer step over ``accum`` micro-batches; returns the step's mean loss (on device).
 
     Only the last micro-batch communicates (DDP ``no_sync`` / Horovod
     ``backward_passes_per_step``); dividing each loss by ``accum`` makes the
     summed gradient the mean over the whole global batch. With bf16/fp16 the
     forward pass runs under autocast; fp16 scales the loss (``scaler``) and the
-    backend applies the step in the order its reduction needs.
+    backend applies the step in the order its reduction needs. ``weight`` multiplies
+    the loss (uneven shards: see :func:`_one_epoch`).
     """
     total = torch.zeros((), dtype=torch.float64, device=device)
     for micro in range(accum):
@@ -162,6 +164,8 @@ def train_step(backend: Backend, model: nn.Module, optimizer: torch.optim.Optimi
         with backend.accumulate(model, sync=micro == accum - 1):
             with autocast(precision, device):
                 loss = nn.functional.cross_entropy(model(x), y) / accum
+                if weight is not None:
+                    loss = loss * weight
             (scaler.scale(loss) if scaler is not None else loss).backward()
         total += loss.detach()
     backend.optimizer_step(optimizer, scaler)
@@ -340,6 +344,7 @@ class _Run:
             self._restore_or_broadcast()
         else:
             src = [step for step, _ in have].index(newest)
+            debug(f"sync: state of step {newest} from rank {src} (steps held: {[h for h, _ in have]})")
             backend.broadcast_state(self.model, self.optimizer, root=src)
             self._apply_loop_values(backend.broadcast_object(
                 self._loop_values() if backend.rank == src else None, src))
@@ -372,10 +377,10 @@ class _Run:
 
     def on_reset(self) -> None:
         """Elastic: the world changed (after the backend re-formed it, before :meth:`sync`)."""
-        print(f"[hvdkit] reset: rank {self.backend.rank} of {self.backend.size} (host "
-              f"{self.backend.slot_host()}, pid {os.getpid()}), continuing from committed step "
-              f"{self.state.global_step} at sample {self.state.samples_in_epoch} of epoch "
-              f"{self.state.epoch}'s order{self.replay}", file=sys.stderr, flush=True)
+        diag(f"reset: rank {self.backend.rank} of {self.backend.size} (host "
+             f"{self.backend.slot_host()}, pid {os.getpid()}), continuing from committed step "
+             f"{self.state.global_step} at sample {self.state.samples_in_epoch} of epoch "
+             f"{self.state.epoch}'s order{self.replay}", every_rank=True)
         self.replay = ""
 
 
@@ -414,9 +419,11 @@ def _enter(run: _Run) -> None:
          "pid": os.getpid(), "threads": torch.get_num_threads()})
     result.ranks = [f"{p['rank']}@{p['host']}:{p['pid']}" for p in result.placement]
     result.topology = backend.topology([p["host"] for p in result.placement])
+    debug(f"rank {backend.rank}/{size} on {socket.gethostname()} pid {os.getpid()}: "
+          f"{torch.get_num_threads()} threads, {backend.device}")
     run.geo = geo = _geometry(cfg, size, len(run.dataset))
     if run.master and cfg.global_batch_size not in (None, geo.global_batch):
-        run.log(f"WARNING: global batch {cfg.global_batch_size} rounded down to {geo.global_batch}")
+        warn(f"global batch {cfg.global_batch_size} rounded down to {geo.global_batch}")
     run.plan.scale = float(size * accum) if cfg.scale_lr else 1.0
     run.plan.warmup_steps = int(cfg.warmup_epochs * geo.steps_per_epoch)
     # the LR of the *current* world, also after a restore from a checkpoint of another size
@@ -438,10 +445,14 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
            result: TrainResult) -> TrainResult:
     run = _set_up(cfg, backend, log, result)
     if cfg.elastic:
-        print(f"[hvdkit] elastic worker rank {backend.rank} of {backend.size} host "
-              f"{backend.slot_host()} pid {os.getpid()}", file=sys.stderr, flush=True)
+        diag(f"elastic worker rank {backend.rank} of {backend.size} host {backend.slot_host()} "
+             f"pid {os.getpid()}", every_rank=True)
         # sync, then the loop; after a lost or added worker: roll back or keep, re-sync, re-enter
-        backend.run_elastic(lambda: _loop(run), run)
+        try:
+            backend.run_elastic(lambda: _loop(run), run)
+        except ConfigError as err:  # the same refusal on every rank: one of them says it
+            err.echo = backend.is_master
+            raise
     else:
         run.sync()
         _loop(run)
@@ -459,7 +470,8 @@ def _loop(run: _Run) -> None:
     with PreemptionGuard() as guard, step_profiler(timeline, run.master) as profiler:
         while not done and run.state.epoch < cfg.epochs:
             state = run.state
-            sampler = ShardSampler(len(run.dataset), backend.size, backend.rank, seed=cfg.seed)
+            sampler = ShardSampler(len(run.dataset), backend.size, backend.rank, seed=cfg.seed,
+                                   uneven=cfg.uneven)
             sampler.set_epoch(state.epoch, start=state.samples_in_epoch)
             first_sample, t0 = state.samples_in_epoch, time.perf_counter()
             if _one_epoch(run, sampler, guard, profiler):
@@ -470,49 +482,98 @@ def _loop(run: _Run) -> None:
     _report_done(cfg, backend, run.model, run.result, run.log)
 
 
+@dataclass(frozen=True)
+class _Step:
+    """One optimizer step of an epoch, as every rank can compute it in advance."""
+
+    mine: int   # samples this rank reads (0: its shard is done, it has joined)
+    total: int  # samples all ranks read
+    full: bool  # every rank reads a full batch: the step may talk beyond its gradients
+
+
+def _epoch_plan(run: _Run, sampler: ShardSampler) -> list[_Step]:
+    """The steps left in this epoch. Even shards: equal full steps until less than a global
+    batch is left (dropped). ``--uneven``: every sample; lower ranks may have one sample
+    more and the last batch of a rank may be partial."""
+    geo, size = run.geo, run.backend.size
+    if not run.cfg.uneven:
+        n = (run.epoch_samples - run.state.samples_in_epoch) // geo.global_batch
+        return [_Step(geo.global_batch // size, geo.global_batch, True)] * n
+    lengths = [sampler.shard_length(r) for r in range(size)]
+    plan = []
+    for k in range(-(-lengths[0] // geo.batch)):  # rank 0's shard is the longest
+        counts = [min(geo.batch, max(0, n - k * geo.batch)) for n in lengths]
+        plan.append(_Step(counts[run.backend.rank], sum(counts), all(c == geo.batch for c in counts)))
+    return plan
+
+
 def _one_epoch(run: _Run, sampler: ShardSampler, guard: PreemptionGuard,
                profiler) -> bool:  # noqa: ANN001 - torch profiler or a no-op
     """The steps of the epoch from ``state.samples_in_epoch``; True when the run must end here."""
     cfg, backend, state, geo = run.cfg, run.backend, run.state, run.geo
-    batches = iter(DataLoader(run.dataset, batch_size=geo.batch, sampler=sampler, drop_last=True))
+    batches = iter(DataLoader(run.dataset, batch_size=geo.batch, sampler=sampler, drop_last=not cfg.uneven))
+    plan = _epoch_plan(run, sampler)
+    done = 0
     run.model.train()
-    while state.samples_in_epoch + geo.global_batch <= run.epoch_samples:
-        # Agree on preemption and earlier non-finite losses while this step computes.
-        agreement = backend.start_any_flags([guard.requested, run.watch.flag()])
-        loss = train_step(backend, run.model, run.optimizer, batches, cfg.backend.accumulation_steps,
-                          backend.device, cfg.precision, run.scaler)
-        run.watch.record(loss, state.global_step + 1)
-        run.loss_sum += loss
-        run.scheduler.step()
-        profiler.step()
-        state.global_step += 1
-        state.samples_in_epoch += geo.global_batch
-        state.samples_seen += geo.global_batch
-        run.steps_in_epoch += 1
-        if run.master and cfg.log_every and state.global_step % cfg.log_every == 0:
-            run.log(f"step {state.global_step} loss {loss.item():.6f} "
-                    f"lr {run.scheduler.get_last_lr()[0]:.5g}")
-
-        stop, nonfinite = agreement()  # the same answers on every rank
-        limit = cfg.max_steps is not None and state.global_step >= cfg.max_steps
-        # the epoch's last step is saved and committed at the epoch's end
-        more = state.samples_in_epoch + geo.global_batch <= run.epoch_samples
-        periodic = bool(cfg.checkpoint_every and state.global_step % cfg.checkpoint_every == 0 and more)
-        wants_save = bool(run.ckpt and (stop or limit or periodic))
-        run.check_nonfinite(nonfinite and not run.watch.warned, before_save=wants_save)
-        if wants_save:
-            run.checkpoint()
-        if stop:
-            _report_preemption(cfg, backend, guard, state, run.result, bool(run.ckpt), run.log)
-            return True
-        if limit:
-            if run.master:
-                run.log(f"stopped at max_steps={cfg.max_steps}{'; checkpoint saved' if run.ckpt else ''}")
-            run.result.global_step = state.global_step
-            return True
-        if more and state.global_step % cfg.commit_every == 0:
-            run.commit()
+    # --uneven: a rank whose shard ends first leaves this block and answers the others'
+    # gradient reductions with zeros until all have left (Backend.join)
+    with backend.join(run.model) if cfg.uneven else contextlib.nullcontext():
+        for k, step in enumerate(plan):
+            if step.mine == 0:
+                break
+            # Agree on preemption and earlier non-finite losses while this step computes; in an
+            # uneven tail (some rank has joined) nothing but the gradients may be reduced.
+            agreement = backend.start_any_flags([guard.requested, run.watch.flag()]) if step.full else None
+            # the reduction divides by the world size: weigh this rank's mean loss so that the
+            # step's gradient is the mean over the samples all ranks read (1.0 for even shards)
+            weight = step.mine * backend.size / step.total if cfg.uneven else None
+            loss = train_step(backend, run.model, run.optimizer, batches, cfg.backend.accumulation_steps,
+                              backend.device, cfg.precision, run.scaler, weight)
+            run.watch.record(loss, state.global_step + 1)
+            run.loss_sum += loss
+            run.scheduler.step()
+            profiler.step()
+            _advance(run, step)
+            done = k + 1
+            if run.master and cfg.log_every and state.global_step % cfg.log_every == 0:
+                run.log(f"step {state.global_step} loss {loss.item():.6f} "
+                        f"lr {run.scheduler.get_last_lr()[0]:.5g}")
+            if agreement is None:
+                continue
+            stop, nonfinite = agreement()  # the same answers on every rank
+            limit = cfg.max_steps is not None and state.global_step >= cfg.max_steps
+            # the epoch's last step is saved and committed at the epoch's end
+            more = k + 1 < len(plan)
+            periodic = bool(cfg.checkpoint_every and state.global_step % cfg.checkpoint_every == 0 and more)
+            wants_save = bool(run.ckpt and (stop or limit or periodic))
+            run.check_nonfinite(nonfinite and not run.watch.warned, before_save=wants_save)
+            if wants_save:
+                run.checkpoint()
+            if stop:
+                _report_preemption(cfg, backend, guard, state, run.result, bool(run.ckpt), run.log)
+                return True
+            if limit:
+                if run.master:
+                    run.log(f"stopped at max_steps={cfg.max_steps}{'; checkpoint saved' if run.ckpt else ''}")
+                run.result.global_step = state.global_step
+                return True
+            if more and state.global_step % cfg.commit_every == 0:
+                run.commit()
+    if done < len(plan):  # joined early: take the others' steps, then their weights
+        for step in plan[done:]:
+            run.scheduler.step()
+            _advance(run, step)
+    if cfg.uneven:
+        backend.broadcast_state(run.model, run.optimizer, root=0)  # rank 0 ran every step
     return False
+
+
+def _advance(run: _Run, step: _Step) -> None:
+    state = run.state
+    state.global_step += 1
+    state.samples_in_epoch += step.total
+    state.samples_seen += step.total
+    run.steps_in_epoch += 1
 
 
 def _end_epoch(run: _Run, samples_here: int, seconds: float) -> bool:
@@ -609,4 +670,4 @@ def _open_data(cfg: TrainConfig, master: bool) -> torch.utils.data.Dataset:
 
 def _write_json(path: Path, data: dict) -> None:
     write_json_atomic(path, data)
-    print(f"[hvdkit] wrote {path}", file=sys.stderr, flush=True)
+    diag(f"wrote {path}")

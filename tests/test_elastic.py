@@ -265,3 +265,15 @@ def test_preemption_max_steps_checkpoints_and_schedule_behave_alike(tmp_path, mo
     assert last.optimizer["param_groups"][0]["lr"] == reference.optimizer["param_groups"][0]["lr"]
     for name, tensor in reference.model.items():
         assert torch.equal(last.model[name], tensor), name
+
+
+def test_the_stop_file_counts_as_sigusr1(tmp_path):
+    """How an elastic sbatch job's batch shell tells ranks that no Slurm signal can reach."""
+    from hvdkit.preemption import PreemptionGuard
+
+    stop = tmp_path / "stop"
+    with PreemptionGuard(stop_file=str(stop)) as guard:
+        assert not guard.requested
+        stop.touch()
+        time.sleep(1.1)  # looked for at most once a second
+        assert guard.requested and guard.should_requeue

@@ -30,6 +30,8 @@ JOBS = {
     "horovod_mpirun": SlurmJob(program=(*PROG, "horovod"), launcher="mpirun", tasks_per_node=2),
     "horovod_horovodrun": SlurmJob(program=(*PROG, "horovod"), launcher="horovodrun", tasks_per_node=2,
                                    signal_seconds=None, requeue=False),
+    "horovod_elastic": SlurmJob(program=(*PROG, "horovod", "--checkpoint-dir", "ck"), launcher="horovodrun",
+                                nodes=4, tasks_per_node=2, elastic_min_nodes=2),
     "ddp_array": SlurmJob(program=(*PROG, "ddp"), backend="ddp", tasks_per_node=2, array="0-2%2",
                           array_params="params.txt", results_dir="results", checkpoint_dir="ck"),
     "hostile": SlurmJob(program=(*PROG, "ddp", "--metrics-file", HOSTILE + "/m.json"), backend="ddp",

@@ -133,6 +133,17 @@ class Backend(ABC):
         scaler.step(optimizer)
         scaler.update()
 
+    @contextlib.contextmanager
+    def join(self, model: nn.Module) -> Iterator[None]:
+        """Around a loop in which ranks take different numbers of steps.
+
+        A rank that leaves the loop early keeps answering the others' gradient reductions
+        with zeros until every rank has left, so nobody stalls. The reduction still divides
+        by the whole world size (Horovod's ``Average`` and DDP's default both do), which the
+        training loop's loss weights account for. Inside, only gradient reductions may run.
+        """
+        yield
+
     # -- elastic training ------------------------------------------------------------------
     def run_elastic(self, body: Callable[[], T], loop: ElasticLoop) -> T:
         """Run ``body`` so that it survives lost and added workers: ``loop.sync()`` first; after

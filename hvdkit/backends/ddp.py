@@ -134,6 +134,19 @@ class DDPBackend(Backend):
         return model.module if isinstance(model, DistributedDataParallel) else model
 
     @contextlib.contextmanager
+    def join(self, model: nn.Module) -> Iterator[None]:
+        """``torch.distributed.algorithms.Join``: DDP's join hook shadows the forward buffer
+        broadcast and the gradient allreduce of ranks still training; dividing by the initial
+        world size (the default) matches Horovod."""
+        if not isinstance(model, DistributedDataParallel):
+            yield
+            return
+        from torch.distributed.algorithms.join import Join
+
+        with Join([model], divide_by_initial_world_size=True):
+            yield
+
+    @contextlib.contextmanager
     def accumulate(self, model: nn.Module, sync: bool) -> Iterator[None]:
         if sync or not isinstance(model, DistributedDataParallel):
             yield

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -180,6 +180,13 @@ class HorovodBackend(Backend):
 
     def elastic_commit(self) -> None:
         self._elastic_state.commit()
+
+    @contextlib.contextmanager
+    def join(self, model: nn.Module) -> Iterator[None]:
+        """``hvd.join()`` after the loop: a joined rank sends zeros to every allreduce until the
+        last rank joins; ``Average`` still divides by the whole size (measured, 2 ranks)."""
+        yield
+        self.hvd.join(self.device.index if self.device.type == "cuda" else -1)
 
     def profiler_trace_path(self, timeline: str | None) -> str | None:
         return None  # HOROVOD_TIMELINE, set before hvd.init(), writes Horovod's own timeline

@@ -54,6 +54,8 @@ def build_job(o: dict[str, Any]) -> SlurmJob:
         signal_seconds=o["signal_seconds"] or None, requeue=o["requeue"], array=o["array"],
         array_params=o["array_params"], results_dir=o["results_dir"],
         checkpoint_dir=o["checkpoint_dir"], process_group=o["process_group"],
+        elastic_min_nodes=(o["min_nodes"] or o["nodes"]) if o["elastic"] else None,
+        blacklist_cooldown=tuple(o["blacklist_cooldown_range"] or (60, 300)),
     )
 
 
@@ -91,7 +93,15 @@ def _print_template_dir(ctx: click.Context) -> None:
 @click.option("--fusion-threshold-mb", type=click.FloatRange(min=0), default=None, help="HOROVOD_FUSION_THRESHOLD.")
 @click.option("--cycle-time-ms", type=click.FloatRange(min=0, min_open=True), default=None, help="HOROVOD_CYCLE_TIME.")
 @click.option("--iface", default=None, help="Network interface for NCCL/Gloo/Horovod (e.g. ib0).")
-@click.option("--launcher", type=click.Choice(SLURM_LAUNCHERS), default="srun", show_default=True)
+@click.option("--launcher", type=click.Choice(SLURM_LAUNCHERS), default=None,
+              help="How the step starts the ranks [default: srun; horovodrun with --elastic].")
+@click.option("--elastic", is_flag=True,
+              help="Horovod Elastic over the allocation (horovodrun, --no-kill): training goes on "
+                   "when nodes fail and takes them back when they return.")
+@click.option("--min-nodes", type=click.IntRange(min=1), default=None,
+              help="--elastic: keep training down to this many nodes [default: --nodes].")
+@click.option("--blacklist-cooldown-range", nargs=2, type=click.IntRange(min=1), default=None,
+              help="--elastic: seconds (MIN MAX) before a failed node may rejoin [default: 60 300].")
 @click.option("--srun-mpi", type=click.Choice(SRUN_MPI), default=None,
               help="srun --mpi plugin for Horovod [default: pmix]; DDP needs none.")
 @click.option("--process-group", type=click.Choice(["gloo", "nccl"]), default=None,
@@ -124,6 +134,11 @@ def slurm_command(**o: Any) -> None:
                  if k not in ("print_config", "submit", "out")}
         click.echo(yaml.safe_dump(shown, sort_keys=True), nl=False)
         return
+    if o["launcher"] is None:
+        o["launcher"] = "horovodrun" if o["elastic"] else "srun"
+    if not o["elastic"] and (o["min_nodes"] or o["blacklist_cooldown_range"]):
+        raise click.UsageError("--min-nodes and --blacklist-cooldown-range go with --elastic. "
+                               "HINT: add --elastic, or drop them")
     args = tuple(o["args"])
     # everything the nodes would trip over, checked now: nothing is written when one fails
     if is_program(args):

@@ -105,12 +105,20 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
       help="At the first NaN/inf loss on any rank: stop with an error (no checkpoint of it), "
            "or warn and go on (checkpoints with NaN/inf weights are skipped).")
 @_opt("--log-every", type=click.IntRange(min=0), default=0, help="Print the loss every N steps.")
+@_opt("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING"], case_sensitive=False),
+      default=_TRAIN["log_level"], callback=lambda _c, _p, v: v.upper(),
+      help="INFO: rank 0's lines (results on stdout, diagnostics on stderr); DEBUG: every rank's, "
+           "tagged [hvdkit rN]; WARNING: warnings and results only.")
 @_opt("--elastic/--no-elastic", default=False, help="Horovod Elastic (run under horovodrun --min-np/--max-np).")
 @_opt("--commit-every", type=click.IntRange(min=1), default=10,
       help="Every N steps: fold the epoch loss over ranks and, with --elastic, commit the state "
            "to host memory (a lost worker costs at most N steps).")
 @_opt("--sample-log", type=click.Path(dir_okay=False), default=None,
       help="Rank 0 appends the sample ids every committed step read (JSON lines), for audits.")
+@_opt("--uneven/--no-uneven", default=False,
+      help="Train on every sample: shards may differ by one sample and a rank's last batch may "
+           "be partial; a rank that runs out joins (hvd.join / DDP Join) until the others finish. "
+           "Default: the tail that does not fill a global batch is dropped.")
 @_opt("--metrics-file", type=click.Path(dir_okay=False), default=None, help="Rank 0 writes a JSON summary.")
 @translate_errors
 def train_command(**options: Any) -> None:

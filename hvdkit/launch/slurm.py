@@ -122,6 +122,8 @@ class SlurmJob:
     results_dir: str | None = None
     checkpoint_dir: str | None = None
     process_group: str | None = None
+    elastic_min_nodes: int | None = None  # Horovod Elastic over the allocation, down to this many nodes
+    blacklist_cooldown: tuple[int, int] = (60, 300)  # elastic: s before a failed node may rejoin
 
     def __post_init__(self) -> None:
         if not self.program:
@@ -158,6 +160,19 @@ class SlurmJob:
                               "and starts no MPI", "drop --srun-mpi (it is for Horovod under srun)")
         if self.backend == "ddp" and self.launcher == "horovodrun":
             raise ConfigError("horovodrun cannot launch the DDP backend", "use --launcher srun or mpirun")
+        if self.elastic_min_nodes is not None:
+            if self.backend != "horovod" or self.launcher != "horovodrun":
+                raise ConfigError("--elastic runs Horovod Elastic, which horovodrun launches",
+                                  "use --backend horovod --launcher horovodrun (the default with --elastic)")
+            if not 1 <= self.elastic_min_nodes <= self.nodes:
+                raise ConfigError(f"--min-nodes {self.elastic_min_nodes} is not within 1..--nodes ({self.nodes})",
+                                  "the job asks for --nodes; elastic training goes on down to --min-nodes")
+            if self.array:
+                raise ConfigError("--elastic with --array is not supported", "submit one elastic job per run")
+            lo, hi = self.blacklist_cooldown
+            if not 0 < lo <= hi:
+                raise ConfigError(f"--blacklist-cooldown-range {lo} {hi} is not 0 < MIN <= MAX",
+                                  "e.g. --blacklist-cooldown-range 60 300")
         if not _SIGNAL.match(self.signal):
             raise ConfigError(f"--signal {self.signal!r} is not supported", "use USR1 (or B:USR1, USR2, TERM)")
         if self.signal_seconds is not None and not 1 <= self.signal_seconds <= 65535:
@@ -200,10 +215,16 @@ def _context(job: SlurmJob, template: str) -> dict[str, Any]:
                 ("qos", job.qos), ("constraint", job.constraint), ("array", job.array)]
     directives += [(k, v) for k, v in optional if v is not None]
     if job.signal_seconds:
-        directives.append(("signal", Raw(f"{job.signal}@{job.signal_seconds}")))
+        # elastic workers are not Slurm steps: only the batch shell (B:) can be told
+        sig = f"B:{job.signal}" if job.elastic_min_nodes and not job.signal.startswith("B:") else job.signal
+        directives.append(("signal", Raw(f"{sig}@{job.signal_seconds}")))
     # explicit both ways: a site's JobRequeue=1 default would requeue a job that has neither
     flags = (["--requeue"] if job.requeue else ["--no-requeue"]) + [Raw(x) for x in job.extra_sbatch]
     env = list(job.env)
+    if job.elastic_min_nodes is not None:
+        flags.append("--no-kill")  # a failed node must not end the job: the survivors go on
+        if job.program[1:4] == ("-m", "hvdkit", "train"):
+            env.append(("HVDKIT_TRAIN_ELASTIC", "1"))  # not '--elastic': horovodrun would take it
     return {
         "job": job, "version": __version__, "template": template,
         "directives": [(Raw(k), v) for k, v in directives],
@@ -216,6 +237,7 @@ def _context(job: SlurmJob, template: str) -> dict[str, Any]:
         "forwarded": [Raw(v) for v in FORWARDED_VARS],
         "mpi_defaults": [(Raw(k), v) for k, v in MPI_DEFAULTS.items()],
         "mpirun_base": list(MPIRUN_BASE),
+        "slots": job.tasks_per_node,  # for the elastic host discovery
     }
 
 
