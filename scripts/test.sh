@@ -10,4 +10,4 @@ trap '"$ROOT/scripts/local-cluster.sh" down' EXIT
 # shellcheck disable=SC1091
 source "${HVDKIT_VENV:-$ROOT/.venv}/bin/activate"
 cd "$ROOT"
-python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -q -p no:cacheprovider --durations=25 "$@"
