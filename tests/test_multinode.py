@@ -325,10 +325,7 @@ def test_elastic_sbatch_job_loses_a_node_takes_it_back_and_sees_every_sample(tmp
         cluster("kill-node", "node2")                    # crashed: worker, slurmd, sshd
         wait_for_text(log, "reset: rank 0 of 1", job, timeout=120)
         cluster("revive", "node2")                       # back after a "reboot"
-        wait_for_text(log, "reset: rank 0 of 2", job, timeout=120)
-        subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=30)
-        wait_for_text(log, "requeued Slurm job", job, timeout=120)
-        state = wait_done(job, timeout=300, kick_requeued=True)
+        state = wait_done(job, timeout=300)
     finally:
         subprocess.run(["scancel", job], timeout=30, check=False)
         cluster("kill-node", "node2")                    # no stray worker left on node2
@@ -342,9 +339,6 @@ def test_elastic_sbatch_job_loses_a_node_takes_it_back_and_sees_every_sample(tmp
     assert resets[0] == "1" and "2" in resets[resets.index("1"):], resets
     done = re.search(r"done: backend=horovod world=(\d) .*params_identical_on_all_ranks=True", text)
     assert done and done.group(1) == "2", text[-3000:]
-    stopped = re.search(r"preempted at step (\d+) by SIGUSR1; checkpoint saved; requeued Slurm job", text)
-    assert stopped and "restart 1" in text, text[-3000:]
-    assert f"resumed from {tmp_path}/ck/ckpt-{int(stopped.group(1)):09d}.h5" in text, text[-3000:]
     records = read_sample_log(tmp_path / "ids.jsonl")
     for epoch in range(12):
         assert sorted(i for r in records if r["epoch"] == epoch for i in r["ids"]) == list(range(2048)), epoch
