@@ -31,10 +31,12 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: 'hvdkit ckpt show/verify' stay light
+    import torch
 
 from . import __version__
 from .errors import CheckpointError, first_line
@@ -93,6 +95,8 @@ class Snapshot:
 
 def capture_rng() -> dict[str, Any]:
     """RNG states of torch, numpy, python (and CUDA when present) in this process."""
+    import torch
+
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "numpy": np.random.get_state(),
@@ -105,6 +109,8 @@ def capture_rng() -> dict[str, Any]:
 
 def restore_rng(state: dict[str, Any]) -> None:
     """Inverse of :func:`capture_rng`."""
+    import torch
+
     torch.set_rng_state(state["torch"])
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))
@@ -170,6 +176,7 @@ def _encode(snap: Snapshot) -> bytes:
     process at exit).
     """
     import h5py
+    import torch
 
     buffer = io.BytesIO()
     with h5py.File(buffer, "w", track_order=True, userblock_size=_USERBLOCK) as f:
@@ -314,8 +321,10 @@ def _open_checked(path: Path) -> Any:
     return f
 
 
-def read_checkpoint(path: str | os.PathLike[str], verify: bool = True) -> Snapshot:
+def read_checkpoint(path: str | os.PathLike[str], verify: bool = True, tensors: bool = True) -> Snapshot:
     """Read and (by default) verify a checkpoint; raises :class:`CheckpointError` if corrupt.
+
+    ``tensors=False`` leaves tensors as the numpy arrays stored (no torch needed).
 
     Every read is inside the guard: a damaged file raises :class:`CheckpointError`
     and nothing else, whatever part of it the damage hit.
@@ -324,16 +333,17 @@ def read_checkpoint(path: str | os.PathLike[str], verify: bool = True) -> Snapsh
     f = _open_checked(path)
     try:
         with f:
-            loop = read_tree(f, "loop", verify)  # dataset CRCs first: they name the damaged tensor
+            def tree(name: str) -> Any:
+                return read_tree(f, name, verify, tensors) if _present(f, name) else None
+
+            loop = read_tree(f, "loop", verify, tensors)  # dataset CRCs first: they name the damaged tensor
             snap = Snapshot(
-                model=read_tree(f, "model", verify),
-                optimizer=read_tree(f, "optimizer", verify) if _present(f, "optimizer") else None,
-                scheduler=read_tree(f, "scheduler", verify) if _present(f, "scheduler") else None,
-                scaler=read_tree(f, "scaler", verify) if _present(f, "scaler") else None,
+                model=tree("model"), optimizer=tree("optimizer"), scheduler=tree("scheduler"),
+                scaler=tree("scaler"),
                 state=TrainingState(**loop),
                 meta={k: _plain(v) for k, v in f.attrs.items() if k != "checksum"},
             )
-            rng = read_tree(f, "rng", verify) if _present(f, "rng") else {}
+            rng = tree("rng") or {}
             snap.rng = [rng[str(i)] for i in range(len(rng))]
             if verify and int(f.attrs["checksum"]) != _content_checksum(f):
                 raise ChecksumMismatch("content checksum mismatch (an attribute, name or "
@@ -356,7 +366,7 @@ def _plain(value: Any) -> Any:
 def verify_checkpoint(path: str | os.PathLike[str]) -> tuple[bool, str]:
     """(ok, message) without raising: used by ``hvdkit ckpt show`` and by resume."""
     try:
-        read_checkpoint(path, verify=True)
+        read_checkpoint(path, verify=True, tensors=False)
     except CheckpointError as exc:
         return False, str(exc)
     return True, "checksum OK"
@@ -383,6 +393,8 @@ def summarize_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def nonfinite_tensor(tensors: dict[str, torch.Tensor]) -> str | None:
     """Name of the first floating-point tensor holding NaN or inf, or ``None``."""
+    import torch
+
     for name, t in tensors.items():
         if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
             return name

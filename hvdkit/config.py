@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from .backends.traits import BACKENDS
 from .errors import ConfigError
 
 __all__ = [
@@ -21,7 +22,6 @@ __all__ = [
     "config_from_dict",
 ]
 
-BACKENDS = ("horovod", "ddp", "local")
 # the example models of hvdkit.models, named here so that validating a config needs no torch
 MODEL_NAMES = ("cnn", "mlp", "tiny")
 PRECISIONS = ("fp32", "bf16", "fp16")  # hvdkit.precision implements them
@@ -43,15 +43,15 @@ def _positive(what: str, value: float, allow_zero: bool = False) -> None:
 
 @dataclass(frozen=True)
 class HorovodOptions:
-    """Knobs of ``hvd.DistributedOptimizer`` and of Horovod's background thread.
+    """Knobs of Horovod's ``DistributedOptimizer`` and of Horovod's background thread.
 
     ``fusion_threshold_mb`` and ``cycle_time_ms`` map to ``HOROVOD_FUSION_THRESHOLD``
-    (bytes) and ``HOROVOD_CYCLE_TIME`` and must be set before ``hvd.init()``;
+    (bytes) and ``HOROVOD_CYCLE_TIME`` and must be set before Horovod initialises;
     ``None`` keeps Horovod's defaults (128 MiB, 1 ms in 0.28). 0 MB turns fusion off.
 
     ``reducer``: ``bucketed`` sends gradients in DDP-style buckets of ``bucket_cap_mb``
     through Horovod's allreduce (:mod:`hvdkit.backends.buckets`); ``stock`` is
-    ``hvd.DistributedOptimizer`` itself, one allreduce per parameter. Adasum always
+    Horovod's ``DistributedOptimizer`` itself, one allreduce per parameter. Adasum always
     runs on the stock optimizer (it reduces tensor by tensor by design).
     """
 
@@ -87,7 +87,7 @@ class HorovodOptions:
                 _positive(name, value, allow_zero=True)
 
     def environment(self) -> dict[str, str]:
-        """The ``HOROVOD_*`` variables these options imply (set before ``hvd.init()``)."""
+        """The ``HOROVOD_*`` variables these options imply (set before Horovod initialises)."""
         env: dict[str, str] = {}
         if self.fusion_threshold_mb is not None:
             env["HOROVOD_FUSION_THRESHOLD"] = str(int(self.fusion_threshold_mb * 1024 * 1024))

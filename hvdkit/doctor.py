@@ -10,6 +10,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .errors import first_line
+from .launch.vocabulary import root_mpi_env
+
 __all__ = ["Check", "run_checks", "verdict"]
 
 SETUP = "run ./scripts/setup.sh"
@@ -29,8 +32,7 @@ class Check:
 def _cmd(argv: list[str], timeout: float = 30) -> tuple[int, str]:
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1",
-                                   "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+                              env={**os.environ, **root_mpi_env()})
     except (OSError, subprocess.TimeoutExpired) as exc:
         return 127, str(exc)
     return proc.returncode, (proc.stdout + proc.stderr).strip()
@@ -57,16 +59,16 @@ def check_torch() -> Check:
 
 def check_horovod() -> Check:
     try:
-        import horovod
-        import horovod.torch as hvd
-    except ImportError as exc:
-        first = str(exc).splitlines()[0] if str(exc) else "import failed"
-        return Check("horovod", False, f"horovod.torch not importable: {first}",
+        from .backends.horovod import build_info
+
+        version, built = build_info()
+    except ImportError as exc:  # torch or horovod.torch missing (BackendUnavailableError is one)
+        detail = getattr(exc, "message", None) or f"not importable: {first_line(exc, default='import failed')}"
+        return Check("horovod", False, detail,
                      f"{SETUP} (builds horovod 0.28.1 with the C++17 patch)", ("horovod",))
-    flags = [f"{name} {'yes' if fn() else 'no'}" for name, fn in
-             (("mpi", hvd.mpi_built), ("gloo", hvd.gloo_built), ("nccl", hvd.nccl_built))]
-    ok = bool(hvd.mpi_built() or hvd.gloo_built())
-    return Check("horovod", ok, f"{horovod.__version__} with PyTorch; controllers/ops: {', '.join(flags)}",
+    flags = [f"{name} {'yes' if on else 'no'}" for name, on in built.items()]
+    ok = built["mpi"] or built["gloo"]
+    return Check("horovod", ok, f"{version} with PyTorch; controllers/ops: {', '.join(flags)}",
                  "rebuild with HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 (scripts/setup.sh)", ("horovod",))
 
 
@@ -94,8 +96,8 @@ def check_mpi() -> Check:
                      "apt-get install openmpi-bin libopenmpi-dev (scripts/setup.sh does)", ("horovod-mpi", "ddp-mpi"))
     code, out = _cmd([exe, "--version"])
     first = out.splitlines()[0] if out else "?"
-    root = " (root: needs OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; hvdkit sets them)" \
-        if hasattr(os, "geteuid") and os.geteuid() == 0 else ""
+    needed = root_mpi_env()
+    root = f" (root: needs {' '.join(f'{k}={v}' for k, v in needed.items())}; hvdkit sets them)" if needed else ""
     return Check("mpirun", code == 0, f"{first}{root}", "reinstall Open MPI", ("horovod-mpi", "ddp-mpi"))
 
 
@@ -226,9 +228,9 @@ def check_gpu_stack() -> Check:
     except ImportError:
         torch_cuda = False
     try:
-        import horovod.torch as hvd
+        from .backends.horovod import build_info
 
-        hvd_nccl: bool | None = bool(hvd.nccl_built())
+        hvd_nccl: bool | None = build_info()[1]["nccl"]
     except ImportError:
         hvd_nccl = None
     return gpu_stack_verdict(gpus, torch_cuda, hvd_nccl)

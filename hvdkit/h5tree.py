@@ -15,20 +15,31 @@ Names are escaped (``%`` -> ``%25``, ``/`` -> ``%2F``) because HDF5 uses ``/``.
 
 from __future__ import annotations
 
+import functools
 import json
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["write_tree", "read_tree", "crc32_of", "ChecksumMismatch"]
 
-_NUMPY_NATIVE = {
-    torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-}
-_BY_WIDTH = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
+
+@functools.cache
+def _dtype_tables() -> tuple[set[Any], dict[int, Any]]:
+    """Torch dtypes numpy holds as they are, and the same-width integers for the others.
+
+    torch is imported here, not at the top: reading a file as arrays (``hvdkit ckpt
+    show``/``verify``) must not pay its seconds of import time.
+    """
+    import torch
+
+    native = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+              torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128}
+    return native, {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 
 
 class ChecksumMismatch(ValueError):
@@ -49,9 +60,10 @@ def _unescape(name: str) -> str:
 
 
 def _tensor_to_numpy(t: torch.Tensor) -> np.ndarray:
+    native, by_width = _dtype_tables()
     t = t.detach().cpu().contiguous()
-    if t.dtype not in _NUMPY_NATIVE:
-        t = t.view(_BY_WIDTH[t.element_size()])
+    if t.dtype not in native:
+        t = t.view(by_width[t.element_size()])
     return t.numpy()
 
 
@@ -83,6 +95,8 @@ def _untag(obj: Any) -> Any:
 
 
 def _has_arrays(obj: Any) -> bool:
+    import torch
+
     if isinstance(obj, (torch.Tensor, np.ndarray)):
         return True
     if isinstance(obj, dict):
@@ -94,6 +108,8 @@ def _has_arrays(obj: Any) -> bool:
 
 def write_tree(group: Any, name: str, obj: Any) -> None:
     """Store ``obj`` under ``group[name]`` (dataset, subgroup or JSON attribute)."""
+    import torch
+
     key = _escape(str(name))
     if isinstance(obj, torch.Tensor):
         arr = _tensor_to_numpy(obj)
@@ -126,13 +142,15 @@ def write_tree(group: Any, name: str, obj: Any) -> None:
 _KEY_TYPES = {"int": int, "float": float, "bool": lambda s: s == "True"}
 
 
-def _read_dataset(ds: Any, verify: bool) -> Any:
+def _read_dataset(ds: Any, verify: bool, tensors: bool) -> Any:
     arr = ds[()]
     arr = np.asarray(arr)
     if verify and "crc32" in ds.attrs and crc32_of(arr) != int(ds.attrs["crc32"]):
         raise ChecksumMismatch(f"checksum mismatch in dataset {ds.name}")
-    if ds.attrs.get("kind") == "ndarray":
+    if ds.attrs.get("kind") == "ndarray" or not tensors:
         return arr
+    import torch
+
     tensor = torch.from_numpy(arr.copy() if arr.ndim == 0 else arr)
     dtype = getattr(torch, str(ds.attrs.get("torch_dtype", "")), None)
     if isinstance(dtype, torch.dtype) and dtype != tensor.dtype:
@@ -140,8 +158,11 @@ def _read_dataset(ds: Any, verify: bool) -> Any:
     return tensor
 
 
-def read_tree(group: Any, name: str, verify: bool = True) -> Any:
-    """Inverse of :func:`write_tree`. Raises :class:`ChecksumMismatch` on corrupt data."""
+def read_tree(group: Any, name: str, verify: bool = True, tensors: bool = True) -> Any:
+    """Inverse of :func:`write_tree`. Raises :class:`ChecksumMismatch` on corrupt data.
+
+    ``tensors=False`` returns tensors as the numpy arrays stored (no torch import).
+    """
     import h5py
 
     key = _escape(str(name))
@@ -149,18 +170,18 @@ def read_tree(group: Any, name: str, verify: bool = True) -> Any:
         return _untag(json.loads(group.attrs["json:" + key]))
     node = group[key]
     if isinstance(node, h5py.Dataset):
-        return _read_dataset(node, verify)
+        return _read_dataset(node, verify, tensors)
     kind = node.attrs.get("kind", "dict")
     members = _children(node)
     if kind in ("list", "tuple"):
-        items = [read_tree(node, str(i), verify) for i in range(len(members))]
+        items = [read_tree(node, str(i), verify, tensors) for i in range(len(members))]
         return tuple(items) if kind == "tuple" else items
     key_types = json.loads(node.attrs.get("key_types", "{}"))
     out = {}
     for member in members:
         raw = _unescape(member)
         k = _KEY_TYPES[key_types[raw]](raw) if raw in key_types else raw
-        out[k] = read_tree(node, raw, verify)
+        out[k] = read_tree(node, raw, verify, tensors)
     return out
 
 

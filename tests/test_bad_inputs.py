@@ -61,7 +61,7 @@ CASES = [
     ("sweep", 2, "Missing argument 'SPACE'"),
     ("sweep badspace.yaml", 1, "exactly one of 'grid' or 'random'"),
     ("sweep status .", 1, "holds no sweep"),
-    ("sweep badspace.yaml --slurm --backend local", 2, "Slurm trials need --backend ddp or horovod"),
+    ("sweep badspace.yaml --slurm --backend local", 2, "runs one plain process"),
     ("bench --bogus", 2, "No such option"),
 ]
 

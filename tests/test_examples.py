@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
+import subprocess
 
 import pytest
 
-from helpers import PY, ROOT, check, launch
+from helpers import PY, ROOT, base_env, check, launch
 
 
 @pytest.mark.mp
@@ -26,3 +27,8 @@ def test_train_example_single_process_and_mpirun():
     out = check(launch("mpirun", 2, [PY, script, "--backend", "ddp", "--model", "cnn", "--epochs", "1",
                                      "--num-samples", "256"]))
     assert "done: backend=ddp world=2" in out
+    # no flags, no launcher: the default backend (Horovod, as in every command) with one rank
+    alone = subprocess.run([PY, script, "--model", "tiny", "--epochs", "1", "--num-samples", "64"],
+                           env=base_env(), capture_output=True, text=True, timeout=100)
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    assert "done: backend=horovod world=1" in alone.stdout

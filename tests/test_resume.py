@@ -156,7 +156,7 @@ def test_a_step_is_checkpointed_once_when_an_epoch_ends_on_checkpoint_every(tmp_
     written: list[str] = []
     real = ckmod.write_checkpoint
     monkeypatch.setattr(ckmod, "write_checkpoint", lambda path, snap: written.append(path.name) or real(path, snap))
-    ctx = train_command.make_context("train", ["--model", "tiny", "--epochs", "2", "--steps-per-epoch", "6",
+    ctx = train_command.make_context("train", ["--backend", "local", "--model", "tiny", "--epochs", "2", "--steps-per-epoch", "6",
                                                "--num-samples", "256", "--batch-size", "8",
                                                "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "3",
                                                "--keep-checkpoints", "10"])

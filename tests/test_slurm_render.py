@@ -113,7 +113,7 @@ BAD = [
     (["--time", "1-25:00"], "is not a Slurm time limit"),
     (["--gpus-per-node", "4", "--tasks-per-node", "2"], "--tasks-per-node 2 differs from --gpus-per-node 4"),
     (["--backend", "ddp", "--gpus-per-node", "2", "--tasks-per-node", "2", "--process-group", "gloo"],
-     "DDP over gloo"),
+     "--process-group gloo leaves the GPUs' NCCL path unused"),
     (["--partition", "gpu queue"], "--partition 'gpu queue' is not a valid Slurm name"),
     (["--mem", "lots"], "--mem 'lots' is not a Slurm memory size"),
     (["--array", "1..3"], "is not a Slurm array spec"),
@@ -122,7 +122,7 @@ BAD = [
     (["--env", "novalue"], "is not NAME=VALUE"),
     (["--sbatch", "exclusive"], "is not an option"),
     (["--output", "a\nb.out"], "--output contains a newline"),
-    (["--backend", "ddp", "--launcher", "horovodrun"], "horovodrun cannot launch the DDP backend"),
+    (["--backend", "ddp", "--launcher", "horovodrun"], "horovodrun cannot launch the ddp backend"),
 ]
 
 

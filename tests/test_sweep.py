@@ -52,7 +52,8 @@ def _sweep(tmp_path, *options, timeout=220):
     space = tmp_path / "space.yaml"
     space.write_text(SPACE)
     out = tmp_path / "out"
-    proc = subprocess.run([*HVDKIT, "sweep", str(space), "--out", str(out), "--np", "2", *options],
+    proc = subprocess.run([*HVDKIT, "sweep", str(space), "--out-dir", str(out), "--backend", "ddp", "--np", "2",
+                           *options],
                           env=base_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out, proc.stdout

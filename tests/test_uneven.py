@@ -38,7 +38,7 @@ def _last_weights(directory) -> dict[str, torch.Tensor]:
 def one_process(tmp_path_factory):
     """The same samples in the same order, one process, batch 16 (= 2 ranks x 8)."""
     tmp = tmp_path_factory.mktemp("single")
-    out = _train([*HVDKIT, "train", *COMMON, "--batch-size", "16", "--checkpoint-dir", str(tmp / "ck")], tmp)
+    out = _train([*HVDKIT, "train", "--backend", "local", *COMMON, "--batch-size", "16", "--checkpoint-dir", str(tmp / "ck")], tmp)
     return float(re.search(r"final_loss=(\S+)", out).group(1)), _last_weights(tmp / "ck")
 
 

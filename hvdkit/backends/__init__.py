@@ -1,27 +1,40 @@
-"""Backends: Horovod, native DDP and a single-process fallback, behind one interface."""
+"""Backends: Horovod, native DDP and a single-process fallback, behind one interface.
+
+:mod:`.traits` (what launching each needs) imports nothing heavy; the backends themselves
+(torch, horovod) are imported on first use, so the CLI can read the traits cheaply.
+"""
 
 from __future__ import annotations
 
-from ..config import BackendConfig
-from ..environments import check_network_interface
-from ..errors import ConfigError
-from .base import Backend
-from .local import LocalBackend
+import importlib
+from typing import TYPE_CHECKING
+
+from .traits import traits
+
+if TYPE_CHECKING:
+    from ..config import BackendConfig
+    from .base import Backend
+    from .local import LocalBackend
 
 __all__ = ["Backend", "LocalBackend", "create_backend"]
 
 
 def create_backend(config: BackendConfig) -> Backend:
     """Initialise the backend ``config.name`` and return it (imports it lazily)."""
+    from ..environments import check_network_interface
+
+    module, cls = traits(config.name).implementation.split(":")
     check_network_interface()  # before any library opens a socket on the wrong network
-    if config.name == "horovod":
-        from .horovod import HorovodBackend
+    return getattr(importlib.import_module(module), cls)(config)
 
-        return HorovodBackend(config)
-    if config.name == "ddp":
-        from .ddp import DDPBackend
 
-        return DDPBackend(config)
-    if config.name == "local":
-        return LocalBackend(config)
-    raise ConfigError(f"backend {config.name!r} is not known", "use one of: horovod, ddp, local")
+def __getattr__(name: str) -> object:  # PEP 562: torch only when a backend class is asked for
+    if name == "Backend":
+        from .base import Backend
+
+        return Backend
+    if name == "LocalBackend":
+        from .local import LocalBackend
+
+        return LocalBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -205,6 +205,10 @@ class Backend(ABC):
     def allreduce_tensor(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """Reduce a tensor across ranks (``mean``, ``sum`` or ``max``); returns a new tensor."""
 
+    def allreduce_(self, tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+        """Sum ``tensor`` across ranks in place: the bare collective (the bandwidth bench times it)."""
+        return tensor.copy_(self.allreduce_tensor(tensor, "sum"))
+
     def allreduce_metric(self, value: float | torch.Tensor, op: str = "mean") -> float:
         """Reduce one scalar across ranks and return it as a Python float."""
         t = torch.as_tensor(value, dtype=torch.float64).detach().reshape(1).cpu()

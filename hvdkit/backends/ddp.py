@@ -177,6 +177,10 @@ class DDPBackend(Backend):
         dist.all_gather_object(out, _to_cpu(obj))
         return out
 
+    def allreduce_(self, tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+        dist.all_reduce(tensor)
+        return tensor
+
     def allreduce_tensor(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         if op not in _REDUCE_OPS:
             raise ValueError(f"unknown reduce op {op!r}")

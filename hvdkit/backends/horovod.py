@@ -39,6 +39,18 @@ def import_horovod_torch() -> Any:
     return hvd
 
 
+def build_info() -> tuple[str, dict[str, bool]]:
+    """Horovod's version and what it was built with (``mpi``, ``gloo``, ``nccl``): for ``hvdkit doctor``.
+
+    Raises :class:`BackendUnavailableError` (an ImportError) when ``horovod.torch`` cannot load.
+    """
+    hvd = import_horovod_torch()
+    import horovod
+
+    return horovod.__version__, {"mpi": bool(hvd.mpi_built()), "gloo": bool(hvd.gloo_built()),
+                                 "nccl": bool(hvd.nccl_built())}
+
+
 class HorovodBackend(Backend):
     """``horovod.torch`` behind the :class:`Backend` interface."""
 
@@ -264,6 +276,9 @@ class HorovodBackend(Backend):
         if op not in ops:
             raise ValueError(f"unknown reduce op {op!r}")
         return hvd.allreduce(tensor.detach(), op=ops[op], name=self._name("allreduce"))  # type: ignore[no-any-return]
+
+    def allreduce_(self, tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+        return self.hvd.allreduce_(tensor, op=self.hvd.Sum, name=name or self._name("allreduce"))  # type: ignore[no-any-return]
 
     def start_any_flags(self, flags: Sequence[bool | torch.Tensor]) -> Callable[[], list[bool]]:
         handle = self.hvd.allreduce_async(self._flag_tensor(flags), op=self.hvd.Max,

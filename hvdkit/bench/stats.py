@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import os
 import platform
@@ -81,11 +82,9 @@ def environment(world_size: int | None = None) -> dict[str, Any]:
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "world_size": world_size,
     }
-    try:
-        import horovod
-
-        env["horovod"] = horovod.__version__
-    except ImportError:
+    try:  # the installed version, read without importing horovod
+        env["horovod"] = importlib.metadata.version("horovod")
+    except importlib.metadata.PackageNotFoundError:
         env["horovod"] = None
     return env
 

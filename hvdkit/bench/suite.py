@@ -304,7 +304,7 @@ def exp_overhead(cfg: BenchConfig, rep: Report) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(cfg.overhead_rounds):
             raw_out, kit_out = Path(tmp) / f"raw{rnd}.json", Path(tmp) / f"kit{rnd}.json"
-            _launch(cfg, cfg.np, [sys.executable, "-m", "hvdkit.bench.raw_horovod", "mlp",
+            _launch(cfg, cfg.np, [sys.executable, "-m", "hvdkit.backends.raw_horovod", "mlp",
                                   str(cfg.overhead_epochs), str(cfg.overhead_samples), str(cfg.batch),
                                   str(raw_out)])
             _launch(cfg, cfg.np, [sys.executable, "-m", "hvdkit", "train", "--backend", "horovod",

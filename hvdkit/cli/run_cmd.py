@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-import inspect
+import ast
+import importlib.util
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
 
+from ..backends.traits import DEFAULT_BACKEND, LAUNCHABLE
 from ..environments import check_network_interface
 from ..fileio import write_text_atomic
 from ..launch.local import (
     LocalLaunch,
     build_local_command,
     format_command,
+    local_launcher,
     render_discovery_script,
     render_launch_script,
     resolve_launcher,
@@ -28,12 +32,24 @@ from .validate import check_program, check_train_args, is_program
 
 
 def horovodrun_option_names() -> set[str]:
-    """Long options horovodrun's own argparse knows (it also accepts any unique prefix)."""
-    try:
-        import horovod.runner.launch as launch
-    except ImportError:
+    """Long options horovodrun's own argparse knows (it also accepts any unique prefix).
+
+    Read from the source of ``horovod.runner.launch.parse_args`` without importing
+    horovod: ``hvdkit run --dry-run`` must stay light.
+    """
+    spec = importlib.util.find_spec("horovod")  # a top-level find_spec imports nothing
+    if spec is None or not spec.submodule_search_locations:
         return set()
-    return set(re.findall(r"'(--[a-zA-Z][\w-]*)'", inspect.getsource(launch.parse_args)))
+    source = Path(next(iter(spec.submodule_search_locations)), "runner", "launch.py")
+    try:
+        tree = ast.parse(source.read_text())
+    except (OSError, SyntaxError):
+        return set()
+    func = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "parse_args"), None)
+    if func is None:
+        return set()
+    return {n.value for n in ast.walk(func) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and re.fullmatch(r"--[a-zA-Z][\w-]*", n.value)}
 
 
 def shield_from_horovodrun(args: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
@@ -70,7 +86,7 @@ def shield_from_horovodrun(args: tuple[str, ...]) -> tuple[list[str], dict[str, 
 @config_option
 @click.option("-np", "--np", "np", type=click.IntRange(min=1), default=2, show_default=True,
               help="Number of ranks.")
-@click.option("--backend", type=click.Choice(["horovod", "ddp"]), default="horovod", show_default=True)
+@click.option("--backend", type=click.Choice(LAUNCHABLE), default=DEFAULT_BACKEND, show_default=True)
 @click.option("--launcher", type=click.Choice(["auto", "horovodrun", "mpirun"]), default="auto",
               show_default=True, help="auto: horovodrun for Horovod, mpirun for DDP.")
 @click.option("--controller", type=click.Choice(["gloo", "mpi"]), default="gloo", show_default=True,
@@ -119,7 +135,7 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
         path = write_text_atomic(write_discovery_script, render_discovery_script(slots), executable=True)
         click.echo(f"wrote {path}", err=True)
         return
-    chosen = launcher if launcher != "auto" else ("horovodrun" if backend == "horovod" else "mpirun")
+    chosen = local_launcher(backend, launcher)
     if elastic and not host_discovery_script:
         raise click.UsageError("--elastic needs --host-discovery-script (write one with --write-discovery-script)")
     if iface:  # the launcher itself talks over it too: catch a wrong name before anything starts

@@ -9,10 +9,12 @@ from typing import Any
 import click
 import yaml
 
+from ..backends.traits import DEFAULT_BACKEND, LAUNCHABLE
+from ..config import HorovodOptions
 from ..errors import ConfigError
 from ..fileio import write_text_atomic
 from ..launch.local import training_program
-from ..launch.vocabulary import iface_env
+from ..launch.vocabulary import ELASTIC_LAUNCHER, iface_env
 from ..launch.slurm import SLURM_LAUNCHERS, SRUN_MPI, SlurmJob, render_sbatch, submit
 from .common import config_option, translate_errors
 from .validate import check_array_params, check_program, check_train_args, is_program
@@ -31,10 +33,8 @@ def _pairs(values: tuple[str, ...], what: str) -> tuple[tuple[str, str], ...]:
 def build_job(o: dict[str, Any]) -> SlurmJob:
     """Translate parsed ``hvdkit slurm`` options into a :class:`SlurmJob` (pure)."""
     env = list(_pairs(tuple(o["env"]), "--env"))
-    if o["fusion_threshold_mb"] is not None:
-        env.append(("HOROVOD_FUSION_THRESHOLD", str(int(o["fusion_threshold_mb"] * 2**20))))
-    if o["cycle_time_ms"] is not None:
-        env.append(("HOROVOD_CYCLE_TIME", repr(float(o["cycle_time_ms"]))))
+    hvd = HorovodOptions(fusion_threshold_mb=o["fusion_threshold_mb"], cycle_time_ms=o["cycle_time_ms"])
+    env += sorted(hvd.environment().items())  # the one HOROVOD_* mapping (config.HorovodOptions)
     if o["iface"]:
         env += sorted(iface_env(o["iface"]).items())
     python = "python" if (o["venv"] or o["conda_env"]) else sys.executable
@@ -68,7 +68,7 @@ def _print_template_dir(ctx: click.Context) -> None:
 
 @click.command("slurm", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @config_option
-@click.option("--backend", type=click.Choice(["horovod", "ddp"]), default="horovod", show_default=True)
+@click.option("--backend", type=click.Choice(LAUNCHABLE), default=DEFAULT_BACKEND, show_default=True)
 @click.option("-J", "--job-name", default="hvdkit", show_default=True)
 @click.option("-N", "--nodes", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--tasks-per-node", type=click.IntRange(min=1), default=1, show_default=True,
@@ -135,7 +135,7 @@ def slurm_command(**o: Any) -> None:
         click.echo(yaml.safe_dump(shown, sort_keys=True), nl=False)
         return
     if o["launcher"] is None:
-        o["launcher"] = "horovodrun" if o["elastic"] else "srun"
+        o["launcher"] = ELASTIC_LAUNCHER if o["elastic"] else "srun"
     if not o["elastic"] and (o["min_nodes"] or o["blacklist_cooldown_range"]):
         raise click.UsageError("--min-nodes and --blacklist-cooldown-range go with --elastic. "
                                "HINT: add --elastic, or drop them")

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import click
 
+from ..backends.traits import BACKENDS, DEFAULT_BACKEND, traits
+from ..errors import ConfigError
 from .common import config_option, translate_errors
 
 
@@ -64,7 +66,8 @@ def sweep_status_command(directory: str) -> None:
 @click.option("--grace", type=click.IntRange(min=1), default=None, help="ASHA: first rung, in epochs (1).")
 @click.option("--out-dir", "--out", "out", type=click.Path(file_okay=False), default="sweep", show_default=True,
               help="Directory for the trials, results and ASHA state.")
-@click.option("--backend", type=click.Choice(["horovod", "ddp", "local"]), default="ddp", show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS), default=DEFAULT_BACKEND, show_default=True,
+              help="Each trial's backend (local: one plain process, -np 1, not with --slurm).")
 @click.option("-np", "--np", "np", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks per trial.")
 @click.option("--parallel", type=click.IntRange(min=1), default=2, show_default=True, help="Local trials at a time.")
 @click.option("--slurm", is_flag=True, help="Run the trials as a Slurm job array instead of locally.")
@@ -80,14 +83,15 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
                   time_limit: str, partition: str | None, max_parallel: int | None, wait: bool,
                   collect: bool) -> None:
     """Run the trials of the grid/random SPACE (YAML); print a results table and the best trial."""
-    from ..errors import ConfigError
     from ..launch.local import training_program
     from ..launch.slurm import SlurmJob, render_sbatch, submit
     from ..sweep import best_trial, collect_results, load_space, plot_results, results_table, run_local, write_trials
 
-    if slurm and backend == "local":  # before anything is written
-        raise click.UsageError("--backend local runs one plain process; Slurm trials need "
-                               "--backend ddp or horovod")
+    try:  # before anything is written
+        if slurm or np > 1:
+            traits(backend, launched=True)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
     spec = load_space(space)
     overrides = {k: v for k, v in (("scheduler", scheduler), ("eta", eta), ("grace", grace)) if v is not None}
     if overrides:

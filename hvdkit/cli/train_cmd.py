@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from ..backends.traits import DEFAULT_BACKEND
 from ..config import BACKENDS, MODEL_NAMES, PRECISIONS, BackendConfig, DDPOptions, HorovodOptions, TrainConfig
 from ..errors import HvdkitError, first_line
 from .common import config_option, translate_errors
@@ -46,7 +47,8 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
 
 @click.command("train")
 @config_option
-@_opt("--backend", type=click.Choice(BACKENDS), default="local", help="Data-parallel backend.")
+@_opt("--backend", type=click.Choice(BACKENDS), default=DEFAULT_BACKEND, show_default=True,
+      help="Data-parallel backend (local: one plain process, no communication).")
 @_opt("--model", type=click.Choice(sorted(MODEL_NAMES)), default=_TRAIN["model"], help="Example model.")
 @_opt("--epochs", type=click.IntRange(min=1), default=_TRAIN["epochs"])
 @_opt("--steps-per-epoch", type=click.IntRange(min=1), default=None, help="Cap on optimizer steps per epoch.")

@@ -14,15 +14,27 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .. import __version__
+from ..backends.traits import traits
 from ..errors import ConfigError
-from .vocabulary import FORWARDED_VARS, MPIRUN_BASE, iface_env, mpi_env, root_mpi_env
+from .vocabulary import ELASTIC_LAUNCHER, FORWARDED_VARS, MPIRUN_BASE, iface_env, mpi_env, root_mpi_env
 
 __all__ = [
-    "LAUNCHERS", "LocalLaunch", "build_local_command", "format_command", "root_mpi_env",
+    "LAUNCHERS", "LocalLaunch", "local_launcher", "build_local_command", "format_command", "root_mpi_env",
     "training_program", "render_launch_script", "render_discovery_script",
 ]
 
 LAUNCHERS = ("horovodrun", "mpirun")
+
+
+def local_launcher(backend: str, launcher: str = "auto") -> str:
+    """The launcher that starts ``backend``'s ranks here: ``launcher``, or for ``auto`` the
+    first this backend can use (horovodrun for Horovod, mpirun for DDP)."""
+    usable = [name for name in traits(backend, launched=True).launchers if name in LAUNCHERS]
+    if launcher == "auto":
+        return usable[0]
+    if launcher not in usable:
+        raise ConfigError(f"{launcher} cannot launch the {backend} backend", f"use --launcher {' or '.join(usable)}")
+    return launcher
 
 
 def training_program(backend: str, args: Sequence[str], python: str | None = None) -> list[str]:
@@ -56,8 +68,8 @@ class LocalLaunch:
         if self.controller not in ("gloo", "mpi"):
             raise ConfigError(f"controller {self.controller!r} is not known", "use gloo or mpi")
         if self.elastic:
-            if self.launcher != "horovodrun":
-                raise ConfigError("elastic training needs horovodrun", "use --launcher horovodrun")
+            if self.launcher != ELASTIC_LAUNCHER:
+                raise ConfigError(f"elastic training needs {ELASTIC_LAUNCHER}", f"use --launcher {ELASTIC_LAUNCHER}")
             if not self.discovery_script:
                 raise ConfigError("elastic training needs a host discovery script",
                                   "pass --host-discovery-script (see --write-discovery-script)")

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
+from ..backends.traits import traits
 from ..errors import ConfigError, HvdkitError
 from .templates import Raw, check_env_name, render_template, template_dir
-from .vocabulary import FORWARDED_VARS, MPI_DEFAULTS, MPIRUN_BASE
+from .vocabulary import ELASTIC_LAUNCHER, FORWARDED_VARS, MPI_DEFAULTS, MPIRUN_BASE
 
 __all__ = ["SlurmJob", "render_sbatch", "submit", "parse_time", "array_indices", "SRUN_MPI",
            "SLURM_LAUNCHERS"]
@@ -113,7 +114,7 @@ class SlurmJob:
     extra_sbatch: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     launcher: str = "srun"
-    srun_mpi: str | None = None   # None: pmix for Horovod, none for DDP
+    srun_mpi: str | None = None   # None: the backend's default (pmix for Horovod, none for DDP)
     signal: str = "USR1"
     signal_seconds: int | None = 90
     requeue: bool = True
@@ -128,8 +129,7 @@ class SlurmJob:
     def __post_init__(self) -> None:
         if not self.program:
             raise ConfigError("no program to run", "pass training options or '-- python train.py'")
-        if self.backend not in ("horovod", "ddp"):
-            raise ConfigError(f"backend {self.backend!r} is not known", "use horovod or ddp")
+        backend = traits(self.backend, launched=True)
         for name in ("nodes", "tasks_per_node", "cpus_per_task"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}",
@@ -140,9 +140,11 @@ class SlurmJob:
             raise ConfigError(
                 f"--tasks-per-node {self.tasks_per_node} differs from --gpus-per-node {self.gpus_per_node}",
                 "data-parallel training runs one rank per GPU: set them equal")
-        if self.backend == "ddp" and self.gpus_per_node and self.process_group == "gloo":
-            raise ConfigError("--gpus-per-node with DDP over gloo leaves the GPUs' NCCL path unused",
-                              "drop --process-group gloo (NCCL is chosen automatically on GPUs)")
+        gpu_pg = backend.gpu_process_group
+        if self.gpus_per_node and gpu_pg and self.process_group not in (None, gpu_pg):
+            raise ConfigError(f"--gpus-per-node with --process-group {self.process_group} leaves the GPUs' "
+                              f"{gpu_pg.upper()} path unused",
+                              f"drop --process-group {self.process_group} ({gpu_pg} is chosen automatically on GPUs)")
         parse_time(self.time)
         for name in ("partition", "account", "qos"):
             value = getattr(self, name)
@@ -155,15 +157,16 @@ class SlurmJob:
             raise ConfigError(f"--launcher {self.launcher!r} is not known", f"use {', '.join(SLURM_LAUNCHERS)}")
         if self.srun_mpi is not None and self.srun_mpi not in SRUN_MPI:
             raise ConfigError(f"--srun-mpi {self.srun_mpi!r} is not known", f"use {', '.join(SRUN_MPI)}")
-        if self.backend == "ddp" and self.srun_mpi not in (None, "none"):
-            raise ConfigError(f"--srun-mpi {self.srun_mpi} with --backend ddp: DDP meets rank 0 over TCP "
-                              "and starts no MPI", "drop --srun-mpi (it is for Horovod under srun)")
-        if self.backend == "ddp" and self.launcher == "horovodrun":
-            raise ConfigError("horovodrun cannot launch the DDP backend", "use --launcher srun or mpirun")
+        if self.srun_mpi is not None and self.srun_mpi not in backend.srun_mpi:
+            raise ConfigError(f"--srun-mpi {self.srun_mpi} with --backend {self.backend}: it meets its peers "
+                              f"with no MPI for srun to set up", f"drop --srun-mpi (it takes {backend.srun_mpi[0]})")
+        if self.launcher not in backend.launchers:
+            raise ConfigError(f"{self.launcher} cannot launch the {self.backend} backend",
+                              f"use --launcher {' or '.join(backend.launchers)}")
         if self.elastic_min_nodes is not None:
-            if self.backend != "horovod" or self.launcher != "horovodrun":
-                raise ConfigError("--elastic runs Horovod Elastic, which horovodrun launches",
-                                  "use --backend horovod --launcher horovodrun (the default with --elastic)")
+            if not backend.elastic or self.launcher != ELASTIC_LAUNCHER:
+                raise ConfigError(f"--elastic runs Horovod Elastic, which {ELASTIC_LAUNCHER} launches",
+                                  f"use --backend horovod --launcher {ELASTIC_LAUNCHER} (the default with --elastic)")
             if not 1 <= self.elastic_min_nodes <= self.nodes:
                 raise ConfigError(f"--min-nodes {self.elastic_min_nodes} is not within 1..--nodes ({self.nodes})",
                                   "the job asks for --nodes; elastic training goes on down to --min-nodes")
@@ -232,7 +235,7 @@ def _context(job: SlurmJob, template: str) -> dict[str, Any]:
         "exports": [(Raw(k), v) for k, v in env],
         "activate": f"{job.venv.rstrip('/')}/bin/activate" if job.venv else None,
         "gpus": job.gpus_per_node > 0 or bool(job.gpus_per_task),
-        "srun_mpi": Raw(job.srun_mpi or ("pmix" if job.backend == "horovod" else "none")),
+        "srun_mpi": Raw(job.srun_mpi or traits(job.backend).srun_mpi[0]),
         "launcher": job.launcher,
         "forwarded": [Raw(v) for v in FORWARDED_VARS],
         "mpi_defaults": [(Raw(k), v) for k, v in MPI_DEFAULTS.items()],
@@ -243,7 +246,7 @@ def _context(job: SlurmJob, template: str) -> dict[str, Any]:
 
 def render_sbatch(job: SlurmJob, templates: Path | None = None) -> str:
     """The sbatch script for ``job`` (pure: no files written, nothing submitted)."""
-    name = f"{job.backend}.sbatch"
+    name = traits(job.backend).sbatch_template
     return render_template(name, _context(job, name), templates or template_dir())
 
 

@@ -16,8 +16,11 @@ from ..errors import ConfigError
 
 __all__ = [
     "MPIRUN_BASE", "FORWARDED_VARS", "IFACE_VAR", "iface_env", "check_iface_name",
-    "root_mpi_env", "ROOT_MPI_VARS", "MPI_DEFAULTS", "mpi_env",
+    "root_mpi_env", "ROOT_MPI_VARS", "MPI_DEFAULTS", "mpi_env", "ELASTIC_LAUNCHER",
 ]
+
+# Horovod Elastic's driver (--min-np/--max-np, host discovery) exists only in horovodrun.
+ELASTIC_LAUNCHER = "horovodrun"
 
 # What Horovod's docs pass to mpirun: no binding (torch threads move freely), ranks by
 # slot, TCP only (no InfiniBand probing on machines without it).

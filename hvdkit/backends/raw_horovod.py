@@ -5,8 +5,9 @@ DistributedOptimizer, broadcast, DistributedSampler, a bare loop. It shares
 only the *workload* with hvdkit (model and synthetic data from
 ``hvdkit.models``, so both runs compute exactly the same); none of hvdkit's
 training machinery (backends, sampler, scheduler, preemption flag, checks) runs.
+It sits with the backends because it is Horovod-only code; ``hvdkit bench`` launches it.
 
-usage: python -m hvdkit.bench.raw_horovod MODEL EPOCHS NUM_SAMPLES BATCH OUT.json
+usage: python -m hvdkit.backends.raw_horovod MODEL EPOCHS NUM_SAMPLES BATCH OUT.json
 """
 
 import json
