@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -236,3 +237,10 @@ def final_loss(log: str) -> float:
 def read_metrics(path: Path) -> dict:
     """The metrics JSON rank 0 wrote with --metrics-file (what tests read instead of logs)."""
     return json.loads(path.read_text())
+
+
+def launch_metrics(kind: str, np: int, program: Sequence[str], path: Path, **kw: Any) -> tuple[dict, str]:
+    """Run an ``hvdkit train`` program like :func:`launch` with ``--metrics-file path``;
+    assert success and return (the metrics rank 0 wrote, the console output)."""
+    out = check(launch(kind, np, [*program, "--metrics-file", str(path)], **kw))
+    return read_metrics(path), out

@@ -9,13 +9,12 @@ batch 16 on the same sample order (to floating-point rounding).
 
 from __future__ import annotations
 
-import re
 import subprocess
 
 import pytest
 import torch
 
-from helpers import HVDKIT, base_env
+from helpers import HVDKIT, base_env, read_metrics
 from hvdkit.checkpoint import read_checkpoint
 from hvdkit.samplelog import read_sample_log
 
@@ -38,8 +37,9 @@ def _last_weights(directory) -> dict[str, torch.Tensor]:
 def one_process(tmp_path_factory):
     """The same samples in the same order, one process, batch 16 (= 2 ranks x 8)."""
     tmp = tmp_path_factory.mktemp("single")
-    out = _train([*HVDKIT, "train", "--backend", "local", *COMMON, "--batch-size", "16", "--checkpoint-dir", str(tmp / "ck")], tmp)
-    return float(re.search(r"final_loss=(\S+)", out).group(1)), _last_weights(tmp / "ck")
+    _train([*HVDKIT, "train", "--backend", "local", *COMMON, "--batch-size", "16",
+            "--checkpoint-dir", str(tmp / "ck"), "--metrics-file", str(tmp / "m.json")], tmp)
+    return read_metrics(tmp / "m.json")["final_loss"], _last_weights(tmp / "ck")
 
 
 @pytest.mark.mp
@@ -48,14 +48,14 @@ def one_process(tmp_path_factory):
 def test_uneven_shards_finish_without_a_stall_and_match_one_process(tmp_path, backend, one_process):
     out = _train([*HVDKIT, "run", "-np", "2", "--backend", backend, "--", *COMMON, "--backend", backend,
                   "--batch-size", "8", "--no-scale-lr", "--checkpoint-dir", str(tmp_path / "ck"),
-                  "--sample-log", str(tmp_path / "ids.jsonl")], tmp_path)
-    done = re.search(r"final_loss=(\S+) steps=(\d+) params_identical_on_all_ranks=(\w+)", out)
-    assert done and done.group(2) == "14" and done.group(3) == "True", out[-2000:]  # 7 steps per epoch
+                  "--sample-log", str(tmp_path / "ids.jsonl"), "--metrics-file", str(tmp_path / "m.json")], tmp_path)
+    done = read_metrics(tmp_path / "m.json")
+    assert done["global_step"] == 14 and done["params_identical"] is True, out[-2000:]  # 7 steps per epoch
     records = read_sample_log(tmp_path / "ids.jsonl")
     for epoch in (0, 1):  # nothing padded, nothing dropped
         assert sorted(i for r in records if r["epoch"] == epoch for i in r["ids"]) == list(range(97))
     loss, weights = one_process
-    assert float(done.group(1)) == pytest.approx(loss, rel=1e-6)
+    assert done["final_loss"] == pytest.approx(loss, rel=1e-6)
     mine = _last_weights(tmp_path / "ck")
     for name, tensor in weights.items():
         torch.testing.assert_close(mine[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
