@@ -391,7 +391,8 @@ def _set_up(cfg: TrainConfig, backend: Backend, log: Callable[[str], None], resu
     samples = SampleLog(cfg.sample_log, backend) if cfg.sample_log else None
     if samples is not None:
         dataset = samples.watch(dataset)
-    geo = _geometry(cfg, backend.size, len(dataset))
+    geo = _geometry(cfg, backend.size, len(dataset))  # refuses a bad batch here, before any collective;
+    # _enter derives it again for the world the loop actually runs in (elastic: after each reset)
     # Ranks start from *different* weights on purpose: broadcast_state (or
     # restore) must make them rank 0's, and the tests check that it does.
     torch.manual_seed(cfg.seed + backend.rank)

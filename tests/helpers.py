@@ -244,3 +244,39 @@ def launch_metrics(kind: str, np: int, program: Sequence[str], path: Path, **kw:
     assert success and return (the metrics rank 0 wrote, the console output)."""
     out = check(launch(kind, np, [*program, "--metrics-file", str(path)], **kw))
     return read_metrics(path), out
+
+
+def spawn(argv: Sequence[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen:
+    """Start a job in the background (text stdout+stderr on one pipe, its own session);
+    stop it with :func:`kill_job`."""
+    return subprocess.Popen(list(argv), env=env or base_env(), cwd=cwd, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``, read from /proc (horovodrun puts its workers in
+    process groups of their own, so a process-group kill misses them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_job(proc: subprocess.Popen, wait: bool = True) -> None:
+    """SIGKILL a job's launcher and everything it started, each by PID; then reap it."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if wait:
+        proc.wait(timeout=30)

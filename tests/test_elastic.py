@@ -17,46 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import HVDKIT, base_env
+from helpers import HVDKIT, base_env, kill_job, spawn
 from hvdkit.checkpoint import read_checkpoint
 from hvdkit.data import make_synthetic_h5
 from hvdkit.samplelog import read_sample_log
-
-
-def _spawn(argv, cwd):
-    return subprocess.Popen(argv, env=base_env(), cwd=cwd, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (horovodrun puts its workers in process groups of their own)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _kill_job(proc) -> None:
-    """SIGKILL the launcher and everything it started, each by PID."""
-    for pid in [proc.pid, *_descendants(proc.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _kill_group(proc):
-    _kill_job(proc)
-    proc.wait(timeout=30)
 
 
 def _discovery(tmp_path: Path, hosts: str) -> tuple[Path, Path]:
@@ -117,7 +81,7 @@ def test_elastic_on_real_data_shrinks_and_grows_and_sees_every_sample_once_per_e
     hosts, script = _discovery(tmp_path, "localhost:1\n127.0.0.1:1\n")
     argv = [*_elastic(script), "--commit-every", "4", "--model", "mlp", "--epochs", "5",
             "--data", str(data), "--sample-log", str(tmp_path / "samples.jsonl"), "--log-every", "1"]
-    proc = _spawn(argv, tmp_path)
+    proc = spawn(argv, cwd=tmp_path)
     pids, phase = {}, [0]
 
     def on_line(line: str) -> None:
@@ -135,7 +99,7 @@ def test_elastic_on_real_data_shrinks_and_grows_and_sees_every_sample_once_per_e
     try:
         text = _follow(proc, 240, on_line)
     finally:
-        _kill_group(proc)
+        kill_job(proc)
     assert proc.returncode == 0 and phase[0] == 2, text[-4000:]
 
     # What the commits imply: world size per step range, 2048 samples per epoch, 32 per rank.
@@ -172,27 +136,27 @@ def test_a_killed_elastic_job_resumes_from_its_checkpoint_and_ends_like_a_plain_
     _, script = _discovery(tmp_path, "localhost:1\n127.0.0.1:1\n")
     ckpts = tmp_path / "ck"
     args = [*COMMON, "--epochs", "2", "--checkpoint-dir", str(ckpts), "--checkpoint-every", "5"]
-    first = _spawn([*_elastic(script, min_np=2), *args], tmp_path)
+    first = spawn([*_elastic(script, min_np=2), *args], cwd=tmp_path)
     killed = []
 
     def on_line(line: str) -> None:
         if not killed and re.search(r"\bstep (1[89]|2[0-5]) loss", line):
-            _kill_job(first)  # the whole job: the launcher and every worker
+            kill_job(first, wait=False)  # the whole job: the launcher and every worker
             killed.append(line)
 
     try:
         _follow(first, 120, on_line)
     finally:
-        _kill_group(first)
+        kill_job(first)
     assert killed, "the first run ended before it could be killed"
     newest = max(int(p.name[5:14]) for p in ckpts.glob("ckpt-*.h5"))
     assert 16 <= newest < 32  # saved every 5 steps and at the end of epoch 0 (step 16)
 
-    rerun = _spawn([*_elastic(script, min_np=2), *args], tmp_path)
+    rerun = spawn([*_elastic(script, min_np=2), *args], cwd=tmp_path)
     try:
         text = _follow(rerun, 120)
     finally:
-        _kill_group(rerun)
+        kill_job(rerun)
     assert rerun.returncode == 0, text[-3000:]
     assert re.search(rf"resumed from \S+ckpt-{newest:09d}\.h5 \(step {newest}\)", text), text[-3000:]
     assert f"start step {newest}," in text
@@ -230,7 +194,7 @@ def test_preemption_max_steps_checkpoints_and_schedule_behave_alike(tmp_path, mo
     ckpts = tmp_path / "ck"
     argv = [*launch, *COMMON, "--epochs", "2", "--max-steps", "11", "--checkpoint-dir", str(ckpts),
             "--checkpoint-every", "4"]
-    first, pids, sent = _spawn(argv, tmp_path), {}, []
+    first, pids, sent = spawn(argv, cwd=tmp_path), {}, []
 
     def on_line(line: str) -> None:
         pids.update(_rank_pids(line) or {})
@@ -241,7 +205,7 @@ def test_preemption_max_steps_checkpoints_and_schedule_behave_alike(tmp_path, mo
     try:
         text = _follow(first, 120, on_line)
     finally:
-        _kill_group(first)
+        kill_job(first)
     stopped = re.search(r"preempted at step (\d+) by SIGUSR1; checkpoint saved", text)
     assert sent and stopped, text[-3000:]
     at = int(stopped.group(1))
@@ -249,11 +213,11 @@ def test_preemption_max_steps_checkpoints_and_schedule_behave_alike(tmp_path, mo
     saved = sorted({4, at} if at > 4 else {at})  # every 4 steps, and at the signal
     assert sorted(p.name for p in ckpts.glob("ckpt-*.h5")) == [f"ckpt-{s:09d}.h5" for s in saved]
 
-    second = _spawn(argv, tmp_path)
+    second = spawn(argv, cwd=tmp_path)
     try:
         text = _follow(second, 120)
     finally:
-        _kill_group(second)
+        kill_job(second)
     assert second.returncode == 0, text[-3000:]
     assert f"start step {at}," in text and "stopped at max_steps=11; checkpoint saved" in text
     # keep 3: the newest three of those, 4, 8 and the last step

@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import socket
-import subprocess
 import time
 
 import pytest
 
-from helpers import HVDKIT, base_env, bit_rotten_dataset, launch
-
-
-def _spawn(argv, env, cwd=None):
-    return subprocess.Popen(argv, env=env, cwd=cwd, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _kill_group(proc):
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+from helpers import HVDKIT, base_env, bit_rotten_dataset, kill_job, launch, spawn
 
 
 @pytest.mark.mp
@@ -34,7 +19,7 @@ def test_ddp_rank_death_stops_the_others_with_a_message_and_rerun_resumes(tmp_pa
             "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", "--ddp-timeout", "30", "--log-every", "1"]
     env = base_env(MASTER_ADDR="127.0.0.1", MASTER_PORT="29611", WORLD_SIZE="2")
     # plain processes (no launcher that would kill the survivor for us)
-    procs = [_spawn(args, dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
+    procs = [spawn(args, dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
     try:
         deadline = time.time() + 120
         out0 = []
@@ -49,7 +34,7 @@ def test_ddp_rank_death_stops_the_others_with_a_message_and_rerun_resumes(tmp_pa
         waited = time.time() - t_kill
     finally:
         for p in procs:
-            _kill_group(p)
+            kill_job(p)
     text = "".join(out0) + rest
     assert procs[0].returncode == 1, text[-3000:]
     assert waited < 30 + 10, f"survivor took {waited:.0f}s to give up"
