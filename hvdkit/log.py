@@ -41,21 +41,23 @@ class _RankFilter(logging.Filter):
                 or _DIAG.getEffectiveLevel() <= logging.DEBUG)
 
 
-def _handler(stream_name: str) -> logging.Handler:
-    # looks the stream up at each record, so that redirected or captured streams are honoured
-    class _Live(logging.StreamHandler):  # type: ignore[type-arg]
-        @property  # type: ignore[override]
-        def stream(self):  # noqa: ANN202
-            return getattr(sys, stream_name)
+class _Live(logging.Handler):
+    """Writes to ``sys.stdout``/``sys.stderr`` as they are at each record (not as they were
+    when configured), so redirected or captured streams are honoured; flushes every line."""
 
-        @stream.setter
-        def stream(self, _value) -> None:  # noqa: ANN001
-            pass
+    def __init__(self, stream_name: str) -> None:
+        super().__init__()
+        self.stream_name = stream_name
+        self.setFormatter(_Format())
+        self.addFilter(_RankFilter())
 
-    handler = _Live()
-    handler.setFormatter(_Format())
-    handler.addFilter(_RankFilter())
-    return handler
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            stream = getattr(sys, self.stream_name)
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:  # noqa: BLE001 - logging's own policy for a failing handler
+            self.handleError(record)
 
 
 def configure(level: str = "INFO", rank: Callable[[], int] | None = None) -> None:
@@ -67,9 +69,9 @@ def configure(level: str = "INFO", rank: Callable[[], int] | None = None) -> Non
         _rank = rank
     _DIAG.setLevel(level.upper())
     if not _DIAG.handlers:
-        _DIAG.addHandler(_handler("stderr"))
+        _DIAG.addHandler(_Live("stderr"))
         _DIAG.propagate = False
-        _RESULT.addHandler(_handler("stdout"))
+        _RESULT.addHandler(_Live("stdout"))
         _RESULT.propagate = False  # not also to the stderr handler of its parent
 
 
