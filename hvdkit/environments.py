@@ -31,7 +31,14 @@ __all__ = [
     "expand_nodelist",
     "find_free_port",
     "check_network_interface",
+    "usable_cores",
 ]
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask: Slurm's --cpus-per-task, taskset),
+    which is what torch's threads should be sized from, not the machine's total."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def find_free_port(host: str = "") -> int:

@@ -16,7 +16,6 @@ import hashlib
 import os
 import signal
 import socket
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field

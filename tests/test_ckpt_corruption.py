@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import random
 
-import pytest
 import torch
 
 from hvdkit import BackendConfig, LocalBackend, build_model

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..config import BackendConfig
+from ..environments import usable_cores
 from ..errors import ConfigError
 
 __all__ = ["Backend", "ElasticLoop", "share_node_cores"]
@@ -29,8 +30,7 @@ def share_node_cores(hosts: list[str]) -> int:
     """
     if "OMP_NUM_THREADS" not in os.environ:
         per_node = max(1, hosts.count(socket.gethostname()))
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // per_node))
+        torch.set_num_threads(max(1, usable_cores() // per_node))
     return torch.get_num_threads()
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import math
-import os
 import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from ..environments import usable_cores
 
 __all__ = ["summarize", "ratio_ci", "environment", "Timer"]
 
@@ -77,7 +78,7 @@ def environment(world_size: int | None = None) -> dict[str, Any]:
     env: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(),
         "python": platform.python_version(), "torch": torch.__version__,
-        "cpu": _cpu_model(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu": _cpu_model(), "cores": usable_cores(),
         "cuda": torch.cuda.is_available(),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "world_size": world_size,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..environments import usable_cores
 from ..errors import HvdkitError
 from ..launch.local import LocalLaunch, build_local_command
 from ..models import build_model
@@ -235,7 +236,7 @@ def exp_fusion(cfg: BenchConfig, rep: Report) -> None:
 
 def exp_scaling(cfg: BenchConfig, rep: Report) -> None:
     """Throughput at np = 1, 2, 4 (more ranks than cores is marked oversubscribed)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     variants = [{"kind": "horovod", "fusion_mb": 128}, {"kind": "ddp", "bucket_mb": 25}, {"kind": "compute"}]
     raw: dict[str, Any] = {}
     for np in cfg.world_sizes:
