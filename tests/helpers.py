@@ -186,13 +186,20 @@ def job_state(job: str) -> str:
 
 
 def wait_done(job: str, timeout: float = 240, kick_requeued: bool = False) -> str:
-    """Poll until the job ends. ``kick_requeued`` waives Slurm's ~2 min requeue delay."""
+    """Poll until the job ends. ``kick_requeued`` waives Slurm's ~2 min requeue delay.
+
+    Not at once: slurmd refuses a job whose credential was revoked in the same second
+    ("Killing non-startable batch job: Job credential revoked", the job then ends FAILED);
+    times have one-second resolution. Slurm's own delay is there for this; 3 s is enough.
+    """
     deadline = time.time() + timeout
+    pending_since = None
     while time.time() < deadline:
         state = job_state(job)
         if state in DONE_STATES:
             return state
-        if kick_requeued and state == "PENDING":
+        pending_since = (pending_since or time.time()) if state == "PENDING" else None
+        if kick_requeued and pending_since and time.time() - pending_since >= 3:
             subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"],
                            capture_output=True, timeout=30)
         time.sleep(1)

@@ -37,6 +37,7 @@ pytestmark = [pytest.mark.multinode, pytest.mark.slurm]
 
 # cnn: 4 epochs of 16 (world 4) or 32 (world 2) steps; long enough to signal mid-run
 TRAIN = ["--model", "cnn", "--epochs", "4", "--num-samples", "1024", "--batch-size", "16"]
+SHORT = ["--model", "cnn", "--epochs", "2", "--num-samples", "512", "--batch-size", "16"]
 CNN_GRAD_BYTES = 545_098 * 4  # float32 gradients of SmallCNN, sent every step
 
 
@@ -108,9 +109,12 @@ def layout_runs(tmp_path_factory):
             if backend == "horovod" and name == "2x2":
                 # Open MPI names the transport it picks for every peer (bml lines)
                 extra = ["--env", "OMPI_MCA_btl_base_verbose=100"]
+            # a twin pair shares its options; ddp 2x1/1x2 run the longer TRAIN because the
+            # requeue test compares its interrupted run with ddp 1x2, the others keep it short
+            train = TRAIN if backend == "ddp" and name in ("2x1", "1x2") else SHORT
             script = render(tmp, f"{backend}-{name}", "--backend", backend, "-N", str(nodes),
                             "--tasks-per-node", str(tpn), "--results-dir", str(tmp / "res"), *extra,
-                            "--", *TRAIN)
+                            "--", *train)
             jobs[backend, name] = (sbatch(script, tmp), script)
     out = {}
     for (backend, name), (job, _) in jobs.items():
@@ -325,7 +329,10 @@ def test_elastic_sbatch_job_loses_a_node_takes_it_back_and_sees_every_sample(tmp
         cluster("kill-node", "node2")                    # crashed: worker, slurmd, sshd
         wait_for_text(log, "reset: rank 0 of 1", job, timeout=120)
         cluster("revive", "node2")                       # back after a "reboot"
-        state = wait_done(job, timeout=300)
+        wait_for_text(log, "reset: rank 0 of 2", job, timeout=120)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=30)
+        wait_for_text(log, "requeued Slurm job", job, timeout=120)
+        state = wait_done(job, timeout=300, kick_requeued=True)
     finally:
         subprocess.run(["scancel", job], timeout=30, check=False)
         cluster("kill-node", "node2")                    # no stray worker left on node2
@@ -339,6 +346,9 @@ def test_elastic_sbatch_job_loses_a_node_takes_it_back_and_sees_every_sample(tmp
     assert resets[0] == "1" and "2" in resets[resets.index("1"):], resets
     done = re.search(r"done: backend=horovod world=(\d) .*params_identical_on_all_ranks=True", text)
     assert done and done.group(1) == "2", text[-3000:]
+    stopped = re.search(r"preempted at step (\d+) by SIGUSR1; checkpoint saved; requeued Slurm job", text)
+    assert stopped and "restart 1" in text, text[-3000:]
+    assert f"resumed from {tmp_path}/ck/ckpt-{int(stopped.group(1)):09d}.h5" in text, text[-3000:]
     records = read_sample_log(tmp_path / "ids.jsonl")
     for epoch in range(12):
         assert sorted(i for r in records if r["epoch"] == epoch for i in r["ids"]) == list(range(2048)), epoch

@@ -112,7 +112,7 @@ def test_sigkill_rank0_mid_write_never_loses_the_previous_checkpoint(tmp_path):
     directory = tmp_path / "ck"
     mid_write_kills, rounds = 0, 0
     env = base_env()
-    while mid_write_kills < 3 and rounds < 12:
+    while mid_write_kills < 2 and rounds < 10:
         rounds += 1
         argv = ["mpirun", "-np", "2", *MPIRUN_BASE, "-x", "PYTHONPATH", PY,
                 str(WORKERS / "ckpt_writer.py"), "ddp", str(directory), "save"]
