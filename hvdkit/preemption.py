@@ -12,13 +12,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from types import FrameType
 from typing import Any
 
 from .log import diag
 
-__all__ = ["PreemptionGuard", "requeue_slurm_job", "EXIT_PREEMPTED", "STOP_FILE_VAR"]
+__all__ = ["PreemptionGuard", "catch_early", "requeue_slurm_job", "EXIT_PREEMPTED", "STOP_FILE_VAR"]
 
 # Exit status of a run that stopped early on a signal (checkpoint saved) and was NOT
 # requeued: non-zero, so Slurm does not report COMPLETED for unfinished work.
@@ -34,6 +35,27 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 # signal and creates this file instead (see slurm/_header.sbatch).
 STOP_FILE_VAR = "HVDKIT_STOP_FILE"
 _STOP_FILE_POLL_S = 1.0
+
+
+# USR1s that arrived while no guard was active: during set-up, between an elastic reset and
+# the loop's re-entry, or after the last step. Slurm sends USR1 at a fixed time before the
+# limit whatever the run is doing, and its default action kills the process (exit 138, the
+# job FAILED), so once training has started hvdkit never leaves it at the default.
+_pending: list[int] = []
+
+
+def _remember(signum: int, frame: FrameType | None) -> None:
+    _pending.append(signum)
+
+
+def catch_early() -> None:
+    """From now on a USR1 outside a :class:`PreemptionGuard` is remembered, not fatal; the
+    next guard acts on it at its first step. (Main thread only; elsewhere a no-op.)"""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in REQUEUE_SIGNALS:
+        if signal.getsignal(sig) in (signal.SIG_DFL, None):
+            signal.signal(sig, _remember)
 
 
 class PreemptionGuard:
@@ -71,6 +93,10 @@ class PreemptionGuard:
     def __enter__(self) -> PreemptionGuard:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handler)
+        early = [sig for sig in _pending if sig in self.signals]
+        _pending.clear()
+        if early:
+            self.received = early[0]
         return self
 
     def __exit__(self, *exc: Any) -> None:

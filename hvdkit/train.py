@@ -36,7 +36,7 @@ from .fileio import write_json_atomic
 from .models import build_model, synthetic_dataset
 from .nonfinite import NonFiniteWatch
 from .precision import autocast, make_scaler
-from .preemption import PreemptionGuard, requeue_slurm_job
+from .preemption import PreemptionGuard, catch_early, requeue_slurm_job
 from .samplelog import SampleLog
 from .log import configure as configure_log
 from .log import debug, diag, warn
@@ -101,6 +101,7 @@ def param_digest(model: nn.Module) -> str:
 def train(cfg: TrainConfig, backend: Backend | None = None,
           log: Callable[[str], None] = result_line) -> TrainResult:
     """Run one training job; collective, so every rank must call it."""
+    catch_early()  # a USR1 during set-up or after the last step must not kill the rank
     owns_backend = backend is None
     backend = backend or create_backend(cfg.backend)
     configure_log(cfg.log_level, rank=lambda: backend.rank)  # rank 0 speaks; elastic ranks change

@@ -208,13 +208,23 @@ def wait_done(job: str, timeout: float = 240, kick_requeued: bool = False) -> st
 
 
 def wait_for_text(path: Path, text: str, job: str, timeout: float = 120) -> None:
-    """Wait until ``text`` appears in ``path`` while ``job`` is still pending or running."""
+    """Wait until ``text`` appears in ``path`` while ``job`` has not ended.
+
+    COMPLETING counts as not ended (a requeue passes through it), and the log is read once
+    more after the job ends: slurmstepd can write a step's last lines after the state changed.
+    """
     deadline = time.time() + timeout
-    while text not in (path.read_text() if path.exists() else ""):
+
+    def seen() -> bool:
+        return text in (path.read_text() if path.exists() else "")
+
+    while not seen():
         state = job_state(job)
-        assert time.time() < deadline and state in ("PENDING", "RUNNING", "CONFIGURING"), \
-            f"job {job} is {state} and never printed {text!r}:\n" + \
-            (path.read_text()[-3000:] if path.exists() else "(no log)")
+        if time.time() >= deadline or state in DONE_STATES:
+            time.sleep(2)
+            assert seen(), f"job {job} is {state} and never printed {text!r}:\n" + \
+                (path.read_text()[-3000:] if path.exists() else "(no log)")
+            return
         time.sleep(0.2)
 
 
