@@ -9,15 +9,21 @@ __version__ = "0.1.0"
 # or read a checkpoint summary without importing torch (about 3 s on a busy login node).
 _EXPORTS = {
     "Backend": "backends", "LocalBackend": "backends", "create_backend": "backends",
-    "CheckpointManager": "checkpoint", "Snapshot": "checkpoint", "TrainingState": "checkpoint",
+    "CheckpointManager": "checkpoint", "Restored": "checkpoint", "Snapshot": "checkpoint",
     "read_checkpoint": "checkpoint", "verify_checkpoint": "checkpoint", "write_checkpoint": "checkpoint",
     "BackendConfig": "config", "DDPOptions": "config", "HorovodOptions": "config", "TrainConfig": "config",
     "H5Dataset": "data", "ShardSampler": "data", "make_synthetic_h5": "data", "per_rank_batch_size": "data",
+    "split_indices": "data",
     "ClusterEnvironment": "environments", "detect_environment": "environments",
     "expand_nodelist": "environments",
     "BackendUnavailableError": "errors", "CheckpointError": "errors", "ConfigError": "errors",
     "HvdkitError": "errors", "LauncherEnvError": "errors",
+    "EvalShard": "metrics", "MetricSums": "metrics", "evaluate": "metrics",
     "MODELS": "models", "build_model": "models", "synthetic_dataset": "models",
+    "EXIT_PREEMPTED": "preemption", "Preempted": "preemption", "Preemption": "preemption",
+    "Progress": "progress",
+    "Stateful": "state",
+    "Task": "tasks", "make_task": "tasks",
     "TrainResult": "train", "train": "train",
 }
 
@@ -37,36 +43,4 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
 
 
-__all__ = [
-    "__version__",
-    "Backend",
-    "BackendConfig",
-    "BackendUnavailableError",
-    "CheckpointError",
-    "CheckpointManager",
-    "ClusterEnvironment",
-    "ConfigError",
-    "DDPOptions",
-    "H5Dataset",
-    "HorovodOptions",
-    "HvdkitError",
-    "LauncherEnvError",
-    "LocalBackend",
-    "MODELS",
-    "ShardSampler",
-    "Snapshot",
-    "TrainConfig",
-    "TrainResult",
-    "TrainingState",
-    "build_model",
-    "create_backend",
-    "detect_environment",
-    "expand_nodelist",
-    "make_synthetic_h5",
-    "per_rank_batch_size",
-    "read_checkpoint",
-    "synthetic_dataset",
-    "train",
-    "verify_checkpoint",
-    "write_checkpoint",
-]
+__all__ = ["__version__", *sorted(_EXPORTS)]

@@ -35,12 +35,17 @@ __all__ = ["AshaConfig", "Decision", "decide", "AshaTrial", "write_config", "rea
 
 @dataclass(frozen=True)
 class AshaConfig:
-    """Rungs at ``grace * eta**k`` epochs below ``budget`` (the trial's full epochs)."""
+    """Rungs at ``grace * eta**k`` epochs below ``budget`` (the trial's full epochs).
+
+    ``metric``: what a rung compares, a key of the epoch record: ``final_loss`` (the epoch's
+    training loss) or a held-out metric such as ``val_loss`` or ``val_accuracy`` (``mode: max``).
+    """
 
     budget: int
     eta: int = 3
     grace: int = 1
     mode: str = "min"
+    metric: str = "final_loss"
 
     def __post_init__(self) -> None:
         if self.eta < 2:
@@ -129,7 +134,7 @@ class AshaTrial:
         """Record ``value`` at rung ``epoch`` and return the decision (a recorded one if any)."""
         recorded = self._decision_path(epoch)
         if recorded.is_file():  # a requeued trial passing the rung again: same verdict
-            return {**json.loads(recorded.read_text()), "reused": True}
+            return {**json.loads(recorded.read_text()), "reused": True, "metric": self.config.metric}
         rung = self.directory / "rungs" / f"epoch-{epoch:04d}"
         write_json_atomic(rung / f"trial-{self.trial:03d}.json", {"trial": self.trial, "value": value})
         seen = {}
@@ -142,4 +147,4 @@ class AshaTrial:
         seen[self.trial] = value
         decision = asdict(decide(seen, self.trial, epoch, self.config.eta, self.config.mode))
         write_json_atomic(recorded, decision)
-        return {**decision, "reused": False}
+        return {**decision, "reused": False, "metric": self.config.metric}

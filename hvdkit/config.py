@@ -7,11 +7,13 @@ Every dataclass validates itself in ``__post_init__`` and raises
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .backends.traits import BACKENDS
+from .backends.traits import BACKENDS, DEFAULT_BACKEND
 from .errors import ConfigError
+from .factories import is_import_path, parse_import_path
 
 __all__ = [
     "BACKENDS",
@@ -24,10 +26,37 @@ __all__ = [
 
 # the example models of hvdkit.models, named here so that validating a config needs no torch
 MODEL_NAMES = ("cnn", "mlp", "tiny")
+TASK_NAMES = ("classification", "language-model")  # hvdkit.tasks implements them
+OPTIMIZER_NAMES = ("sgd", "adam", "adamw")          # hvdkit.optim builds them
+LR_SCHEDULES = ("constant", "cosine", "step")       # after the warm-up (hvdkit.schedule)
 PRECISIONS = ("fp32", "bf16", "fp16")  # hvdkit.precision implements them
 COMPRESSIONS = ("none", "fp16")
 HOROVOD_OPS = ("average", "sum", "adasum")
 HOROVOD_REDUCERS = ("bucketed", "stock")
+NONFINITE_MODES = ("stop", "warn")  # hvdkit.nonfinite
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING")  # hvdkit.log
+PROGRESS_MODES = ("auto", "bar", "lines")  # auto: a bar on a terminal, plain lines in a batch log
+
+
+def parse_keep_best(spec: str | None) -> tuple[str, str] | None:
+    """``"val_accuracy:max"`` -> ``("val_accuracy", "max")``; without a mode, accuracies are
+    maximised and everything else minimised."""
+    if not spec:
+        return None
+    metric, _, mode = spec.partition(":")
+    mode = mode or ("max" if "acc" in metric else "min")
+    if not metric.isidentifier() or mode not in ("min", "max"):
+        raise ConfigError(f"--keep-best {spec!r} is not METRIC[:min|max]", "e.g. --keep-best val_loss:min")
+    return metric, mode
+
+
+def _builtin_or_path(what: str, value: str, names: tuple[str, ...]) -> None:
+    """A built-in name, or an import path (pkg.module:fn, file.py:fn)."""
+    if is_import_path(value):
+        parse_import_path(value, what)
+    elif value not in names:
+        raise ConfigError(f"{what} {value!r} is not known",
+                          f"use one of: {', '.join(names)}, or an import path pkg.module:fn / file.py:fn")
 
 
 def _choice(what: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -139,7 +168,7 @@ class BackendConfig:
     number of micro-batches per optimizer step under DDP's ``no_sync()``.
     """
 
-    name: str = "local"
+    name: str = DEFAULT_BACKEND
     accumulation_steps: int = 1
     horovod: HorovodOptions = field(default_factory=HorovodOptions)
     ddp: DDPOptions = field(default_factory=DDPOptions)
@@ -155,9 +184,11 @@ class BackendConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One training run of an example model on synthetic (or HDF5) data."""
+    """One training run: a model (built in, or yours by import path), its data, and the loop's knobs."""
 
-    model: str = "cnn"
+    model: str = "cnn"  # a built-in name, or pkg.module:fn / file.py:fn returning an nn.Module
+    model_args: dict[str, Any] = field(default_factory=dict)
+    task: str = "classification"  # or language-model, or pkg.module:fn (hvdkit.tasks)
     epochs: int = 2
     steps_per_epoch: int | None = None
     max_steps: int | None = None
@@ -167,15 +198,29 @@ class TrainConfig:
     lr: float = 0.01
     scale_lr: bool = True
     warmup_epochs: float = 0.0
+    lr_schedule: str = "constant"  # after the warm-up: constant, cosine (to min_lr_ratio x lr), step
+    min_lr_ratio: float = 0.0
+    lr_step_epochs: float = 1.0   # step schedule: multiply by lr_gamma every this many epochs
+    lr_gamma: float = 0.1
     momentum: float = 0.9
-    weight_decay: float = 0.0
-    optimizer: str = "sgd"
+    weight_decay: float = 0.0  # on weights of 2 or more dimensions; biases and norms get none
+    optimizer: str = "sgd"  # sgd, adam, adamw, or pkg.module:Class (e.g. torch.optim:RMSprop)
+    optimizer_args: dict[str, Any] = field(default_factory=dict)
+    clip_grad_norm: float | None = None  # of the reduced (and unscaled) gradients
     num_samples: int = 1024
     data: str | None = None
+    dataset: str | None = None  # pkg.module:fn returning a map-style Dataset (or train, val)
+    dataset_args: dict[str, Any] = field(default_factory=dict)
+    val_data: str | None = None
+    val_fraction: float = 0.0  # a fixed split of the training data (seeded, never moves)
+    eval_every: int = 0  # also evaluate every N steps (epoch ends always, with validation data)
+    eval_batch_size: int | None = None
+    num_workers: int = 0  # DataLoader worker processes per rank
     seed: int = 0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
+    keep_best: str | None = None  # METRIC[:min|max]: also keep the best checkpoint, never rotated
     resume: bool = True
     requeue: bool = True
     log_every: int = 0
@@ -184,6 +229,8 @@ class TrainConfig:
     asha_dir: str | None = None  # a sweep's ASHA directory: judge this trial at each rung
     asha_trial: int | None = None
     metrics_file: str | None = None
+    tensorboard: str | None = None  # rank 0 writes TensorBoard event files here
+    progress: str = "auto"  # auto | bar | lines
     elastic: bool = False
     commit_every: int = 10  # fold the epoch loss (and, elastic, commit state to memory) every N steps
     sample_log: str | None = None  # JSON lines: the sample ids each committed step read
@@ -191,13 +238,41 @@ class TrainConfig:
     log_level: str = "INFO"  # INFO: rank 0 speaks; DEBUG: every rank, with more detail
     backend: BackendConfig = field(default_factory=BackendConfig)
 
+    @property
+    def has_validation(self) -> bool:
+        return bool(self.val_data) or self.val_fraction > 0
+
     def __post_init__(self) -> None:
-        _choice("model", self.model, MODEL_NAMES)
-        _choice("optimizer", self.optimizer, ("sgd", "adam", "adamw"))
-        _choice("on_nonfinite", self.on_nonfinite, ("stop", "warn"))
+        _builtin_or_path("--model", self.model, MODEL_NAMES)
+        _builtin_or_path("--task", self.task, TASK_NAMES)
+        _builtin_or_path("--optimizer", self.optimizer, OPTIMIZER_NAMES)
+        if self.dataset is not None:
+            parse_import_path(self.dataset, "--dataset")
+        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _choice("on_nonfinite", self.on_nonfinite, NONFINITE_MODES)
         _choice("precision", self.precision, PRECISIONS)
-        _choice("log_level", self.log_level, ("DEBUG", "INFO", "WARNING"))
-        if (self.asha_dir is None) != (self.asha_trial is None):
+        _choice("log_level", self.log_level, LOG_LEVELS)
+        _choice("progress", self.progress, PROGRESS_MODES)
+        for name in ("model_args", "optimizer_args", "dataset_args"):
+            if not isinstance(getattr(self, name), dict):
+                raise ConfigError(f"{name} must be a mapping of keyword: value", f"e.g. {name}: {{key: 1}}")
+        if self.data and self.dataset:
+            raise ConfigError("--data and --dataset both name the training data", "pass one of them")
+        if self.val_data and self.val_fraction:
+            raise ConfigError("--val-data and --val-fraction both name the validation data", "pass one of them")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(f"--val-fraction must be in [0, 1), got {self.val_fraction}",
+                              "e.g. --val-fraction 0.1 holds out a tenth of the training data")
+        if self.eval_every and not self.has_validation:
+            raise ConfigError("--eval-every needs validation data", "add --val-data FILE or --val-fraction F")
+        best = parse_keep_best(self.keep_best)
+        if best is not None:
+            if not self.checkpoint_dir:
+                raise ConfigError("--keep-best needs --checkpoint-dir", "add --checkpoint-dir DIR")
+            if best[0].startswith("val_") and not self.has_validation:
+                raise ConfigError(f"--keep-best {best[0]} needs validation data",
+                                  "add --val-data FILE or --val-fraction F")
+        if self.asha_dir is not None and self.asha_trial is None or self.asha_dir is None and self.asha_trial is not None:
             raise ConfigError("--asha-dir and --asha-trial go together",
                               "let 'hvdkit sweep --scheduler asha' pass both")
         if self.elastic and self.asha_dir is not None:
@@ -214,23 +289,31 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "num_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", f"raise {name}")
-        if self.global_batch_size is not None and self.global_batch_size < 1:
-            raise ConfigError(
-                f"global_batch_size must be >= 1, got {self.global_batch_size}", "raise it"
-            )
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"max_steps must be >= 1, got {self.max_steps}", "raise it or omit it")
-        if self.steps_per_epoch is not None and self.steps_per_epoch < 1:
-            raise ConfigError(
-                f"steps_per_epoch must be >= 1, got {self.steps_per_epoch}", "raise it or omit it"
-            )
-        _positive("lr", self.lr)
+        for name in ("global_batch_size", "max_steps", "steps_per_epoch", "eval_batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}", "raise it or omit it")
+        _finite_positive("lr", self.lr)
         _positive("warmup_epochs", self.warmup_epochs, allow_zero=True)
         _positive("checkpoint_every", self.checkpoint_every, allow_zero=True)
+        _positive("eval_every", self.eval_every, allow_zero=True)
+        _positive("num_workers", self.num_workers, allow_zero=True)
+        _positive("weight_decay", self.weight_decay, allow_zero=True)
+        _positive("lr_step_epochs", self.lr_step_epochs)
+        _positive("lr_gamma", self.lr_gamma)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}", "e.g. 0.1")
+        if self.clip_grad_norm is not None:
+            _finite_positive("clip_grad_norm", self.clip_grad_norm)
         if self.commit_every < 1:
             raise ConfigError("commit_every must be >= 1", "commit at least every step")
         if self.keep_checkpoints < 1:
             raise ConfigError("keep_checkpoints must be >= 1", "keep at least one checkpoint")
+
+
+def _finite_positive(what: str, value: float) -> None:
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{what} must be a finite number > 0, got {value}", "pass e.g. 0.01")
 
 
 def config_from_dict(cls: type, data: dict[str, Any]) -> Any:

@@ -1,25 +1,74 @@
-"""Small file writes that a crash or a concurrent reader never sees half-done."""
+"""Atomic file writes: a crash or a concurrent reader never sees half a file.
+
+One primitive, :func:`write_bytes_atomic`: the bytes go to ``.<name>.tmp<pid>`` beside the
+target, are flushed (and with ``durable`` fsync'd, with the directory), then renamed over
+the target, so at any instant the path holds the old file or the new one. Checkpoints,
+datasets, metrics and job scripts all go through it.
+"""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_text_atomic", "write_json_atomic"]
+__all__ = ["write_bytes_atomic", "write_text_atomic", "write_json_atomic", "fsync_dir",
+           "SPACE_MARGIN"]
+
+# Refuse a write that would leave less than this free: a disk filled to the byte hurts everyone.
+SPACE_MARGIN = 64 << 10
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Make a rename in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, *, durable: bool = False,
+                       mode: int = 0o644, check_space: bool = False) -> Path:
+    """Write ``data`` to ``path`` atomically; ``durable`` also fsyncs the file and its directory.
+
+    ``check_space`` refuses (``ENOSPC``) before writing when the file would not fit with
+    :data:`SPACE_MARGIN` to spare. Raises ``OSError``; no temporary file is left behind.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if check_space and shutil.disk_usage(path.parent).free < len(data) + SPACE_MARGIN:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        if mode & 0o111:
+            os.chmod(tmp, mode)  # scripts: executable whatever the umask left of it
+        os.replace(tmp, path)
+        if durable:
+            fsync_dir(path.parent)
+    finally:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # e.g. ENOTDIR: then no temporary file could exist either
+    return path
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str, executable: bool = False) -> Path:
-    """Write ``text`` to ``.<name>.tmp<pid>`` beside ``path``, then rename it over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    if executable:
-        tmp.chmod(0o755)
-    os.replace(tmp, path)
-    return path
+    """Write ``text`` atomically (``executable``: mode 755, for scripts)."""
+    return write_bytes_atomic(path, text.encode(), mode=0o755 if executable else 0o644)
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any) -> Path:

@@ -7,10 +7,14 @@ Two loggers under ``hvdkit``:
 - ``hvdkit`` (:func:`diag`, :func:`warn`, :func:`debug`): set-up, resume, checkpoints,
   elastic resets, warnings -> **stderr**.
 
-Every line is ``[hvdkit] message`` (``[hvdkit r3] message`` from a rank other than 0). At the
-default level INFO only global rank 0 speaks, as every side effect in hvdkit is rank 0's;
-a record made with ``every_rank=True`` (facts about each rank, such as an elastic worker's
-pid) passes on every rank. ``--log-level DEBUG`` lets every rank log everything.
+As a library hvdkit leaves your logging alone: its loggers have only a ``NullHandler`` and
+propagate to yours, as the standard library's guidance for libraries asks. The ``hvdkit``
+command (and ``python -m hvdkit``) is an application and installs its console handlers with
+:func:`install_console`: every line is ``[hvdkit] message`` (``[hvdkit r3] message`` from a
+rank other than 0). Either way, at the default level INFO only global rank 0's records pass
+(a filter on the loggers themselves); a record made with ``every_rank=True`` (facts about
+each rank, such as an elastic worker's pid) passes on every rank, and ``--log-level DEBUG``
+lets every rank log everything.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import logging
 import sys
 from collections.abc import Callable
 
-__all__ = ["LEVELS", "configure", "result", "diag", "warn", "debug"]
+from .config import LOG_LEVELS
 
-LEVELS = ("DEBUG", "INFO", "WARNING")
+__all__ = ["LEVELS", "configure", "install_console", "result", "diag", "warn", "debug"]
+
+LEVELS = LOG_LEVELS
 _DIAG = logging.getLogger("hvdkit")
 _RESULT = logging.getLogger("hvdkit.result")
 _rank: Callable[[], int] = lambda: 0  # noqa: E731 - replaced by configure()
@@ -49,7 +55,6 @@ class _Live(logging.Handler):
         super().__init__()
         self.stream_name = stream_name
         self.setFormatter(_Format())
-        self.addFilter(_RankFilter())
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -60,45 +65,54 @@ class _Live(logging.Handler):
             self.handleError(record)
 
 
+_DIAG.addHandler(logging.NullHandler())
+for _logger in (_DIAG, _RESULT):
+    _logger.addFilter(_RankFilter())
+
+
 def configure(level: str = "INFO", rank: Callable[[], int] | None = None) -> None:
-    """Set the level and how to learn this process's rank (a callable: elastic ranks change)."""
+    """Set hvdkit's level and how to learn this process's rank (a callable: elastic ranks change).
+
+    Touches only hvdkit's own loggers.
+    """
     global _rank
     if level.upper() not in LEVELS:
         raise ValueError(f"log level {level!r} is not one of {', '.join(LEVELS)}")
     if rank is not None:
         _rank = rank
     _DIAG.setLevel(level.upper())
-    if not _DIAG.handlers:
-        _DIAG.addHandler(_Live("stderr"))
-        _DIAG.propagate = False
-        _RESULT.addHandler(_Live("stdout"))
-        _RESULT.propagate = False  # not also to the stderr handler of its parent
+
+
+def install_console() -> None:
+    """The ``hvdkit`` command's console: results to stdout, diagnostics to stderr, one format.
+
+    For hvdkit's own processes only (it stops hvdkit's records from propagating further).
+    """
+    if any(isinstance(h, _Live) for h in _DIAG.handlers):
+        return
+    _DIAG.addHandler(_Live("stderr"))
+    _DIAG.propagate = False
+    _RESULT.addHandler(_Live("stdout"))
+    _RESULT.propagate = False  # not also to the stderr handler of its parent
+    if _DIAG.level == logging.NOTSET:
+        _DIAG.setLevel(logging.INFO)
 
 
 def result(msg: str) -> None:
     """A result line (stdout)."""
-    configure_once()
     _RESULT.info(msg)
 
 
 def diag(msg: str, every_rank: bool = False) -> None:
     """A diagnostic line (stderr)."""
-    configure_once()
     _DIAG.info(msg, extra={"every_rank": every_rank})
 
 
 def warn(msg: str, every_rank: bool = False) -> None:
     """``WARNING: msg`` (stderr)."""
-    configure_once()
     _DIAG.warning(f"WARNING: {msg}", extra={"every_rank": every_rank})
 
 
 def debug(msg: str) -> None:
     """Only with ``--log-level DEBUG``, from every rank (stderr)."""
-    configure_once()
     _DIAG.debug(msg)
-
-
-def configure_once() -> None:
-    if not _DIAG.handlers:
-        configure(logging.getLevelName(_DIAG.level) if _DIAG.level else "INFO")

@@ -13,8 +13,9 @@ labelled by a fixed random "teacher" so that the loss really goes down.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,7 +23,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from .config import MODEL_NAMES
 
-__all__ = ["SmallCNN", "ManyTensorsMLP", "ModelSpec", "MODELS", "build_model", "synthetic_dataset"]
+__all__ = ["SmallCNN", "ManyTensorsMLP", "ModelSpec", "MODELS", "build_model", "check_builtin_args", "synthetic_dataset"]
 
 
 class SmallCNN(nn.Module):
@@ -90,11 +91,47 @@ MODELS: dict[str, ModelSpec] = {
 assert tuple(sorted(MODELS)) == tuple(sorted(MODEL_NAMES)), "keep config.MODEL_NAMES in step with MODELS"
 
 
-def build_model(name: str, seed: int = 0) -> nn.Module:
-    """Build model ``name`` with weights drawn from ``seed`` (same seed, same weights)."""
+def check_builtin_args(name: str, args: Mapping[str, Any]) -> None:
+    """ConfigError unless built-in model ``name`` takes keyword arguments ``args``."""
+    import inspect
+
+    from .errors import ConfigError
+
+    factory = MODELS[name].factory
+    params = [p for p in inspect.signature(factory).parameters]
+    unknown = [k for k in args if k not in params]
+    if unknown:
+        raise ConfigError(f"--model {name} takes no argument {', '.join(map(repr, unknown))}",
+                          f"its arguments are: {', '.join(params) or '(none)'}")
+
+
+def build_model(name: str, seed: int = 0, args: Mapping[str, Any] | None = None) -> nn.Module:
+    """Build model ``name`` with weights drawn from ``seed`` (same seed, same weights).
+
+    ``name`` is a built-in (:data:`MODELS`) or an import path ``pkg.module:fn`` /
+    ``file.py:fn`` to a function or class returning an ``nn.Module``, called with ``args``.
+    """
+    from .factories import call, is_import_path, resolve
+
+    args = dict(args or {})
+    if is_import_path(name):
+        factory: Callable[..., Any] = resolve(name, args, what="--model")
+    elif name in MODELS:
+        factory = MODELS[name].factory
+        check_builtin_args(name, args)
+    else:
+        from .errors import ConfigError
+
+        raise ConfigError(f"model {name!r} is not known", f"use one of {', '.join(MODELS)} or pkg.module:fn")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return MODELS[name].factory()
+        model = call(factory, name, args, "--model")
+    if not isinstance(model, nn.Module):
+        from .errors import ConfigError
+
+        raise ConfigError(f"--model {name} returned a {type(model).__name__}, not a torch.nn.Module",
+                          "return the model object from the factory")
+    return model
 
 
 def synthetic_dataset(name: str, num_samples: int, seed: int = 1234) -> Dataset:

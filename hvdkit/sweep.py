@@ -3,9 +3,10 @@ or as a Slurm job array, results gathered into one table and plot.
 
 Space file::
 
-    metric: final_loss          # any key of the metrics JSON; lower is better unless mode: max
+    metric: val_loss            # final_loss (training), or a held-out metric: val_loss, val_accuracy
+                                # (needs val_fraction or val_data in fixed:); lower is better unless mode: max
     mode: min
-    fixed: {model: mlp, epochs: 3}
+    fixed: {model: mlp, epochs: 3, val_fraction: 0.1}
     grid:   {lr: [0.005, 0.02], momentum: [0.5, 0.9]}
     # or
     random: {trials: 8, seed: 0, params: {lr: {loguniform: [1.0e-3, 1.0e-1]}, optimizer: [sgd, adam]}}
@@ -57,10 +58,15 @@ class SweepSpec:
             raise ConfigError("a sweep needs exactly one of 'grid' or 'random'", "see hvdkit sweep --help")
         if self.scheduler not in ("none", "asha"):
             raise ConfigError(f"scheduler {self.scheduler!r} is not none or asha", "use scheduler: asha or none")
+        if not re.fullmatch(r"final_loss|loss|val_\w+", self.metric):
+            raise ConfigError(f"metric {self.metric!r} is not one training reports",
+                              "use final_loss, or a validation metric such as val_loss or val_accuracy "
+                              "(with --val-data or --val-fraction in fixed:)")
+        if self.metric.startswith("val_") and not any(k in self.fixed for k in ("val_data", "val_fraction")) \
+                and "dataset" not in self.fixed:
+            raise ConfigError(f"metric {self.metric} needs validation data in every trial",
+                              "add val_fraction: 0.1 or val_data: FILE to fixed:")
         if self.scheduler == "asha":
-            if self.metric != "final_loss":
-                raise ConfigError(f"asha judges trials by their epoch loss, not {self.metric!r}",
-                                  "use metric: final_loss with scheduler: asha")
             self.asha_config()  # validates eta, grace and the budget now, not in a trial
 
     def asha_config(self) -> AshaConfig:
@@ -69,7 +75,7 @@ class SweepSpec:
         if not isinstance(budget, int) or budget < 2:
             raise ConfigError("scheduler: asha needs the trial budget as fixed: {epochs: N} with N >= 2",
                               "add epochs to fixed:, e.g. fixed: {epochs: 9}")
-        return AshaConfig(budget=budget, eta=self.eta, grace=self.grace, mode=self.mode)
+        return AshaConfig(budget=budget, eta=self.eta, grace=self.grace, mode=self.mode, metric=self.metric)
 
 
 def load_space(path: str | os.PathLike[str]) -> SweepSpec:
@@ -197,12 +203,19 @@ def collect_results(out: Path, spec: SweepSpec) -> list[dict[str, Any]]:
     for t in sorted(trials, key=lambda t: t["trial"]):
         path = found.get(t["trial"])
         data = json.loads(path.read_text()) if path else {}
-        curve = [float(v) for v in data.get("epoch_losses", [])]
+        curve = metric_curve(data, spec.metric)
         status = data.get("status", "completed") if path else "failed"
         rows.append({"trial": t["trial"], "params": t["params"], "status": status, "epochs": len(curve),
                      spec.metric: data.get(spec.metric) if path else None, "curve": curve,
                      "file": str(path) if path else None})
     return rows
+
+
+def metric_curve(metrics: dict[str, Any], metric: str) -> list[float]:
+    """The metric per epoch from a trial's metrics file (``final_loss``: the epoch loss)."""
+    key = "loss" if metric in ("final_loss", "loss") else metric
+    history = metrics.get("history") or [{"loss": v} for v in metrics.get("epoch_losses", [])]
+    return [float(r[key]) for r in history if isinstance(r.get(key), (int, float))]
 
 
 def best_trial(rows: list[dict[str, Any]], spec: SweepSpec) -> dict[str, Any] | None:
@@ -280,7 +293,7 @@ def plot_results(rows: list[dict[str, Any]], spec: SweepSpec, path: Path) -> Pat
         if pruned:
             ax.plot(epochs[-1], r["curve"][-1], "x", color=line.get_color(), ms=8)
     ax.set_xlabel("epoch")
-    ax.set_ylabel("epoch loss")
+    ax.set_ylabel("epoch loss" if spec.metric == "final_loss" else spec.metric)
     used, full = budget_used(rows, spec)
     ax.set_title(f"sweep ({spec.scheduler}): x = pruned; {used}/{full} trial-epochs")
     ax.legend(fontsize=7, ncol=2)

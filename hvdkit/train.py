@@ -1,51 +1,60 @@
-"""The training loop, readable in one sitting; the same code runs on every backend.
+"""The training loop, readable in one sitting; the same code runs on every backend, model and data.
 
-``train(cfg)`` builds the example model, wraps it with the chosen backend,
-resumes from rank 0's newest checkpoint (or broadcasts rank 0's fresh
-weights), and trains with a linearly scaled, warmed-up learning rate. Every
-side effect (printing, files, requeue) is gated on ``master = backend.is_master``,
-which is the *global* rank 0.
+``train(cfg)``, on every rank:
+
+1. set up, locally: data, model (built in or yours), task, optimizer, LR schedule (:func:`_set_up`);
+2. check one batch through the model on every rank before anything else (:func:`_check_data`);
+3. sync: resume the newest valid checkpoint, or take rank 0's weights (elastic: the newest commit);
+4. epochs of steps (:func:`_one_epoch`); at each epoch's end the loss, held-out metrics, ASHA's
+   rung and a checkpoint (:func:`_end_epoch`);
+5. check that every rank holds the same weights; rank 0 writes the metrics file.
+
+Every side effect (printing, files, requeue) is gated on ``run.master``, the *global* rank 0.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import hashlib
 import os
-import signal
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from .asha import AshaTrial
 from .backends import Backend, create_backend
-from .checkpoint import CheckpointManager, TrainingState
+from .checkpoint import CheckpointManager
 from .config import TrainConfig
-from .data import H5Dataset, ShardSampler, per_rank_batch_size
+from .data import SampleSeeded, ShardSampler, all_labels, open_datasets, per_rank_batch_size, unwrap_dataset
+from .elastic import ElasticMemory
 from .errors import ConfigError, HvdkitError
 from .fileio import write_json_atomic
-from .models import build_model, synthetic_dataset
-from .nonfinite import NonFiniteWatch
-from .precision import autocast, make_scaler
-from .preemption import PreemptionGuard, catch_early, requeue_slurm_job
-from .samplelog import SampleLog
 from .log import configure as configure_log
 from .log import debug, diag, warn
 from .log import result as result_line
+from .metrics import evaluate
+from .models import build_model
+from .nonfinite import NonFiniteWatch
+from .observe import Observers
+from .optim import make_optimizer
+from .precision import autocast, make_scaler
+from .preemption import Preempted, Preemption
 from .profiling import step_profiler
+from .progress import Progress
+from .samplelog import SampleLog
+from .schedule import LrPlan, warmup_factor
+from .tasks import Task, check_labels, make_task, to_device
+from . import state as states_mod
 
-__all__ = [
-    "TrainResult", "train", "train_step", "make_optimizer", "warmup_factor", "param_digest",
-]
+__all__ = ["TrainResult", "train", "train_step", "make_optimizer", "warmup_factor", "param_digest"]
 
 
 @dataclass
@@ -56,6 +65,9 @@ class TrainResult:
     world_size: int
     epoch_losses: list[float] = field(default_factory=list)
     samples_per_sec: list[float] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)  # per epoch: loss, val_*, samples/s
+    val: dict[str, float] = field(default_factory=dict)           # the last validation metrics
+    best: dict[str, Any] | None = None                            # --keep-best's record
     global_step: int = 0
     preempted: bool = False
     requeued: bool = False  # preempted and Slurm accepted the requeue
@@ -73,22 +85,6 @@ class TrainResult:
         return self.epoch_losses[-1] if self.epoch_losses else float("nan")
 
 
-def make_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """SGD (with momentum), Adam or AdamW at learning rate ``lr``."""
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    cls = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
-    return cls(params, lr=lr, weight_decay=cfg.weight_decay)
-
-
-def warmup_factor(step: int, warmup_steps: int, scale: float) -> float:
-    """LR multiplier: ramps from 1/scale (the unscaled LR) to 1 over ``warmup_steps`` (Goyal et al.)."""
-    if warmup_steps <= 0 or step >= warmup_steps:
-        return 1.0
-    start = 1.0 / scale
-    return start + (1.0 - start) * step / warmup_steps
-
-
 def param_digest(model: nn.Module) -> str:
     """SHA-256 of all parameters and buffers, to compare ranks and runs bit for bit."""
     h = hashlib.sha256()
@@ -101,7 +97,6 @@ def param_digest(model: nn.Module) -> str:
 def train(cfg: TrainConfig, backend: Backend | None = None,
           log: Callable[[str], None] = result_line) -> TrainResult:
     """Run one training job; collective, so every rank must call it."""
-    catch_early()  # a USR1 during set-up or after the last step must not kill the rank
     owns_backend = backend is None
     backend = backend or create_backend(cfg.backend)
     configure_log(cfg.log_level, rank=lambda: backend.rank)  # rank 0 speaks; elastic ranks change
@@ -144,38 +139,37 @@ def _peers_text(me: int, placement: list[dict], size: int) -> str:
     return f"one of ranks {others[0]['rank']}..{others[-1]['rank']} (on {', '.join(hosts)})"
 
 
-def train_step(backend: Backend, model: nn.Module, optimizer: torch.optim.Optimizer,
-               batches: Iterator[tuple[torch.Tensor, torch.Tensor]], accum: int,
-               device: torch.device, precision: str = "fp32",
-               scaler: torch.amp.GradScaler | None = None, weight: float | None = None) -> torch.Tensor:
+def train_step(backend: Backend, model: nn.Module, optimizer: torch.optim.Optimizer, task: Task,
+               batches: Iterator[Any], accum: int, precision: str = "fp32",
+               scaler: torch.amp.GradScaler | None = None, weight: float | None = None,
+               clip: float | None = None) -> torch.Tensor:
     """One optimizer step over ``accum`` micro-batches; returns the step's mean loss (on device).
 
     Only the last micro-batch communicates (DDP ``no_sync`` / Horovod
-    ``backward_passes_per_step``); dividing each loss by ``accum`` makes the
-    summed gradient the mean over the whole global batch. With bf16/fp16 the
-    forward pass runs under autocast; fp16 scales the loss (``scaler``) and the
-    backend applies the step in the order its reduction needs. ``weight`` multiplies
-    the loss (uneven shards: see :func:`_one_epoch`).
+    ``backward_passes_per_step``); dividing each loss by ``accum`` makes the summed gradient
+    the mean over the whole global batch. With bf16/fp16 the forward pass runs under
+    autocast; fp16 scales the loss (``scaler``). The backend applies the step in the order
+    its reduction needs, clipping the reduced gradients to ``clip`` (their global norm).
+    ``weight`` multiplies the loss (uneven shards: see :func:`_one_epoch`).
     """
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=backend.device)
     for micro in range(accum):
-        x, y = next(batches)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        batch = to_device(next(batches), backend.device)
         with backend.accumulate(model, sync=micro == accum - 1):
-            with autocast(precision, device):
-                loss = nn.functional.cross_entropy(model(x), y) / accum
+            with autocast(precision, backend.device):
+                loss = task(model, batch)["loss"] / accum
                 if weight is not None:
                     loss = loss * weight
             (scaler.scale(loss) if scaler is not None else loss).backward()
         total += loss.detach()
-    backend.optimizer_step(optimizer, scaler)
+    backend.optimizer_step(optimizer, scaler, clip_grad_norm=clip)
     optimizer.zero_grad()
     return total
 
 
 @dataclass
 class _Geometry:
-    """Batch sizes and steps, derived once from the config and the world size."""
+    """Batch sizes and steps, derived from the config and the world size."""
 
     batch: int          # micro-batch per rank
     global_batch: int   # samples per optimizer step, all ranks and micro-batches
@@ -192,32 +186,19 @@ def _geometry(cfg: TrainConfig, size: int, num_samples: int) -> _Geometry:
     steps = num_samples // global_batch
     if steps == 0:
         raise ConfigError(
-            f"{num_samples} samples are fewer than one global batch of {global_batch}",
-            "use more --num-samples or a smaller --batch-size",
+            f"{num_samples} training samples are fewer than one global batch of {global_batch}",
+            "use more data (--num-samples) or a smaller --batch-size",
         )
     return _Geometry(batch, global_batch, min(steps, cfg.steps_per_epoch or steps))
-
-
-@dataclass
-class _LrPlan:
-    """What the LR schedule depends on in the current world; re-derived when the world changes."""
-
-    scale: float = 1.0      # world size x accumulation (with --scale-lr): bigger batch, bigger LR
-    warmup_steps: int = 0
-
-    def factor(self, step: int) -> float:
-        return warmup_factor(step, self.warmup_steps, self.scale)
 
 
 @dataclass
 class _Run:
     """One training run, built once by :func:`_set_up` without talking to other ranks.
 
-    The loop pieces below change only ``state`` (where the loop is), the loss of the epoch so
-    far (``loss_committed``, folded over ranks at every commit, plus this rank's ``loss_sum``
-    since then), the record of the last save, and ``result``. The same object is the state
-    Horovod Elastic commits, rolls back and syncs (``commit_to_memory``, ``roll_back``,
-    ``sync``): elastic training is a mode of this loop, not a second one.
+    The loop's position and measurements live in ``progress`` (saved in checkpoints and
+    elastic commits); ``states`` is everything a resume restores. The rest is this process's
+    machinery, rebuilt on every start.
     """
 
     cfg: TrainConfig
@@ -225,8 +206,10 @@ class _Run:
     log: Callable[[str], None]
     result: TrainResult
     geo: _Geometry
-    plan: _LrPlan
-    dataset: torch.utils.data.Dataset
+    plan: LrPlan
+    train_data: Dataset
+    val_data: Dataset | None
+    task: Task
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -234,14 +217,13 @@ class _Run:
     ckpt: CheckpointManager | None
     watch: NonFiniteWatch
     samples: SampleLog | None
-    state: TrainingState = field(default_factory=TrainingState)
+    observers: Observers
+    progress: Progress = field(default_factory=Progress)
     loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
-    loss_committed: float = 0.0
-    steps_in_epoch: int = 0
     saved_step: int | None = None  # at most one checkpoint per step
     saved_name: str | None = None
     asha: AshaTrial | None = None
-    memory: dict[str, Any] | None = None  # the last elastic commit, in host memory
+    memory: ElasticMemory | None = None
     replay: str = ""  # after a roll-back: which steps are recomputed
 
     @property
@@ -249,169 +231,178 @@ class _Run:
         return self.backend.is_master  # global rank 0: the only rank with side effects
 
     @property
+    def states(self) -> dict[str, Any]:
+        """What a checkpoint or an elastic commit holds."""
+        out: dict[str, Any] = {"model": self.model, "optimizer": self.optimizer,
+                               "scheduler": self.scheduler, "loop": self.progress}
+        if self.scaler is not None:
+            out["scaler"] = self.scaler
+        return out
+
+    @property
+    def step(self) -> int:
+        return self.progress.global_step
+
+    @property
     def epoch_samples(self) -> int:
         """Samples in this epoch at the current world size (the epoch ends before a partial batch)."""
         return self.geo.steps_per_epoch * self.geo.global_batch
 
-    def checkpoint(self) -> None:
+    # -- the Resumable protocol (hvdkit.elastic), also used by a plain run's start ----------
+    def before_capture(self) -> None:
+        """Collective: every rank's running loss goes into the loop state."""
+        self.progress.loss_sums = self.backend.gather_objects(float(self.loss_sum))
+
+    def start_fresh(self) -> None:
+        """Collective: the newest valid checkpoint, or rank 0's fresh weights, on every rank."""
+        restored = self.ckpt.restore(self.states) if (self.ckpt and self.cfg.resume) else None
+        if not (self.ckpt and self.cfg.resume):  # restore() broadcasts either way
+            states_mod.broadcast(self.states, self.backend, root=0)
+        if restored is not None:
+            self.saved_step, self.saved_name = restored.step, restored.path.name
+
+    def loaded(self, rolled_back_from: int | None) -> None:
+        """After a restore, a sync or a roll-back: what lives outside the states follows them."""
+        p = self.progress
+        self.loss_sum.fill_(p.loss_sum_for(self.backend.rank, self.backend.size))
+        self.result.history = p.history
+        if rolled_back_from is not None:
+            if self.samples is not None:
+                self.samples.discard()
+            if rolled_back_from > p.global_step:
+                self.replay = f"; steps {p.global_step + 1}..{rolled_back_from} are done again"
+        elif self.samples is not None:
+            self.samples.truncate(p.global_step)  # records of steps run again go
+
+    def on_reset(self) -> None:
+        """Elastic: the world changed (after the backend re-formed it, before the sync)."""
+        p = self.progress
+        diag(f"reset: rank {self.backend.rank} of {self.backend.size} (host "
+             f"{self.backend.slot_host()}, pid {os.getpid()}), continuing from committed step "
+             f"{p.global_step} at sample {p.samples_in_epoch} of epoch {p.epoch}'s order{self.replay}",
+             every_rank=True)
+        self.replay = ""
+
+    # -- the loop's collective checkpoints --------------------------------------------------
+    def save(self) -> None:
         """Collective: checkpoint the current step (once), with every rank's running loss."""
-        assert self.ckpt is not None
-        if self.saved_step == self.state.global_step:
+        if self.ckpt is None or self.saved_step == self.step:
             return
-        self.state.extra = {"loss_sums": self.backend.gather_objects(float(self.loss_sum)),
-                            "loss_committed": self.loss_committed, "steps_in_epoch": self.steps_in_epoch,
-                            "epoch_losses": self.result.epoch_losses}
-        path = self.ckpt.save(self.model, self.optimizer, self.scheduler, self.state, self.scaler,
+        self.before_capture()
+        path = self.ckpt.save(self.step, self.states, metrics=self._metrics_now(),
                               skip_nonfinite=self.watch.mode == "warn")
-        self.saved_step = self.state.global_step
+        self.saved_step = self.step
         self.saved_name = path.name if path is not None else self.saved_name
         if self.samples is not None:  # a resume continues from here, so what led here is logged
-            self.samples.record(self.state.epoch, self.state.global_step)
+            self.samples.record(self.progress.epoch, self.step)
+
+    def _metrics_now(self) -> dict[str, float]:
+        last = self.progress.history[-1] if self.progress.history else {}
+        return {**{k: v for k, v in last.items() if isinstance(v, (int, float)) and k not in ("epoch", "step")},
+                **{f"val_{k}": v for k, v in self.progress.last_eval.items()}}
 
     def check_nonfinite(self, flagged: bool, before_save: bool) -> None:
         """Collective: stop or warn at a non-finite loss; the per-step flag lags one step, so
         before a save this step is asked about too."""
         if flagged or (before_save and self.watch.check_now()):
-            self.watch.handle(self.state.global_step, self.saved_name, self.log)
+            self.watch.handle(self.step, self.saved_name, self.log)
 
-    # -- commits: every --commit-every steps and at epoch ends ------------------------------
     def commit(self) -> None:
         """Collective: fold the running loss over ranks, log the samples, and (elastic) commit.
 
         Folding at the same steps in every mode keeps the epoch loss bit-identical between
         elastic and plain runs; a world that changes between commits then loses nothing.
         """
-        self.loss_committed += self.backend.allreduce_metric(self.loss_sum)
+        self.progress.loss_committed += self.backend.allreduce_metric(self.loss_sum)
         self.loss_sum.zero_()
         if self.samples is not None:
-            self.samples.record(self.state.epoch, self.state.global_step)
+            self.samples.record(self.progress.epoch, self.step)
         if self.cfg.elastic:
             if self.master and self.cfg.log_every:
-                self.log(f"commit at step {self.state.global_step} (world {self.backend.size})")
+                self.log(f"commit at step {self.step} (world {self.backend.size})")
             self.backend.elastic_commit()  # calls commit_to_memory; raises if hosts changed
-
-    def _loop_values(self) -> dict[str, Any]:
-        """The loop's state besides weights and optimizer: small, picklable, world-independent."""
-        return copy.deepcopy({
-            "state": dataclasses.asdict(self.state), "loss_committed": self.loss_committed,
-            "steps_in_epoch": self.steps_in_epoch, "epoch_losses": self.result.epoch_losses,
-            "samples_per_sec": self.result.samples_per_sec, "saved_step": self.saved_step,
-            "saved_name": self.saved_name, "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None})
-
-    def _apply_loop_values(self, v: dict[str, Any]) -> None:
-        self.state = TrainingState(**v["state"])
-        self.loss_committed, self.steps_in_epoch = v["loss_committed"], v["steps_in_epoch"]
-        self.result.epoch_losses, self.result.samples_per_sec = v["epoch_losses"], v["samples_per_sec"]
-        self.saved_step, self.saved_name = v["saved_step"], v["saved_name"]
-        self.scheduler.load_state_dict(v["scheduler"])
-        if self.scaler is not None and v["scaler"] is not None:
-            self.scaler.load_state_dict(v["scaler"])
-
-    def commit_to_memory(self) -> None:
-        """Elastic: copy the state to host memory (what a roll-back returns to)."""
-        self.memory = {"model": copy.deepcopy(self.backend.unwrap(self.model).state_dict()),
-                       "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                       "loop": self._loop_values(), "loss_sum": float(self.loss_sum)}
-
-    def roll_back(self) -> None:
-        """Elastic, after a collective failed: back to the last commit; later steps are redone."""
-        if self.memory is None:  # failed before the first commit: the next sync starts afresh
-            return
-        lost = self.state.global_step
-        self.backend.unwrap(self.model).load_state_dict(self.memory["model"])
-        self.optimizer.load_state_dict(self.memory["optimizer"])
-        self._apply_loop_values(copy.deepcopy(self.memory["loop"]))
-        self.loss_sum.fill_(self.memory["loss_sum"])
-        if self.samples is not None:
-            self.samples.discard()
-        if lost > self.state.global_step:
-            self.replay = f"; steps {self.state.global_step + 1}..{lost} are done again"
-
-    def sync(self) -> None:
-        """Collective: every rank takes the newest state any rank holds.
-
-        At the start of a job no rank holds any: rank 0 restores the newest checkpoint (or its
-        fresh weights) for everyone. After an elastic reset the survivors hold their last
-        commit and a new worker holds nothing; the state comes from the lowest rank with the
-        newest commit (not blindly rank 0, which may be the newcomer).
-        """
-        backend = self.backend
-        have = backend.gather_objects((self.state.global_step if self.memory is not None else -1,
-                                       float(self.loss_sum)))
-        newest = max(step for step, _ in have)
-        if newest < 0:
-            self._restore_or_broadcast()
-        else:
-            src = [step for step, _ in have].index(newest)
-            debug(f"sync: state of step {newest} from rank {src} (steps held: {[h for h, _ in have]})")
-            backend.broadcast_state(self.model, self.optimizer, root=src)
-            self._apply_loop_values(backend.broadcast_object(
-                self._loop_values() if backend.rank == src else None, src))
-            if any(step != newest for step, _ in have):  # a newcomer: fold what the others ran
-                self.loss_committed += sum(p for _, p in have) / sum(step == newest for step, _ in have)
-                self.loss_sum.zero_()
-        if self.samples is not None:
-            self.samples.truncate(self.state.global_step)  # records of rolled-back steps go
-        if self.cfg.elastic:
-            self.commit_to_memory()
-
-    def _restore_or_broadcast(self) -> None:
-        """Collective: the newest valid checkpoint of rank 0, or rank 0's fresh weights."""
-        cfg, backend = self.cfg, self.backend
-        restored = self.ckpt.restore(self.model, self.optimizer, self.scheduler, self.scaler) \
-            if (self.ckpt and cfg.resume) else None
-        if restored is None and not (self.ckpt and cfg.resume):  # restore() already broadcast
-            backend.broadcast_state(self.model, self.optimizer)
-        self.state = restored or TrainingState()
-        extra = self.state.extra
-        self.result.epoch_losses = list(extra.get("epoch_losses", []))
-        self.loss_committed = float(extra.get("loss_committed", 0.0))
-        self.steps_in_epoch = int(extra.get("steps_in_epoch", self.state.samples_in_epoch // self.geo.global_batch))
-        sums = extra.get("loss_sums") or []
-        # this rank's own running loss if the world is unchanged, else their mean
-        mine = float(sums[backend.rank]) if len(sums) == backend.size else sum(sums) / max(len(sums), 1)
-        self.loss_sum.fill_(mine)
-        if self.ckpt and self.state.global_step:
-            self.saved_step, self.saved_name = self.state.global_step, f"ckpt-{self.state.global_step:09d}.h5"
-
-    def on_reset(self) -> None:
-        """Elastic: the world changed (after the backend re-formed it, before :meth:`sync`)."""
-        diag(f"reset: rank {self.backend.rank} of {self.backend.size} (host "
-             f"{self.backend.slot_host()}, pid {os.getpid()}), continuing from committed step "
-             f"{self.state.global_step} at sample {self.state.samples_in_epoch} of epoch "
-             f"{self.state.epoch}'s order{self.replay}", every_rank=True)
-        self.replay = ""
 
 
 def _set_up(cfg: TrainConfig, backend: Backend, log: Callable[[str], None], result: TrainResult) -> _Run:
-    """Data, model, optimizer and schedule; local to this rank (no collective: an elastic
+    """Data, model, task, optimizer and schedule; local to this rank (no collective: an elastic
     newcomer builds these while the others are already training)."""
-    dataset = _open_data(cfg, backend.is_master)
+    try:
+        train_data, val_data = open_datasets(cfg)
+    except HvdkitError as err:
+        err.echo = backend.is_master  # every rank reads the same data and fails the same way
+        raise
     samples = SampleLog(cfg.sample_log, backend) if cfg.sample_log else None
     if samples is not None:
-        dataset = samples.watch(dataset)
-    geo = _geometry(cfg, backend.size, len(dataset))  # refuses a bad batch here, before any collective;
-    # _enter derives it again for the world the loop actually runs in (elastic: after each reset)
-    # Ranks start from *different* weights on purpose: broadcast_state (or
-    # restore) must make them rank 0's, and the tests check that it does.
+        train_data = samples.watch(train_data)
+    if cfg.num_workers:
+        train_data = SampleSeeded(train_data, cfg.seed)  # augmentation independent of workers
+    geo = _geometry(cfg, backend.size, len(train_data))  # refuses a bad batch here, before any collective
+    # Ranks start from *different* weights on purpose: the sync (a restore, or rank 0's
+    # broadcast) must make them rank 0's, and the tests check that it does.
     torch.manual_seed(cfg.seed + backend.rank)
-    model = build_model(cfg.model, seed=cfg.seed + backend.rank)
-    plan = _LrPlan()
-    optimizer = make_optimizer(cfg, model.parameters(), cfg.lr)
+    model = build_model(cfg.model, seed=cfg.seed + backend.rank, args=cfg.model_args)
+    task = make_task(cfg.task)
+    plan = LrPlan(kind=cfg.lr_schedule, min_ratio=cfg.min_lr_ratio, gamma=cfg.lr_gamma)
+    optimizer = make_optimizer(cfg, model, cfg.lr)
     model, optimizer = backend.wrap(model, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.factor)
-    return _Run(cfg=cfg, backend=backend, log=log, result=result, geo=geo, plan=plan, dataset=dataset,
-                model=model, optimizer=optimizer, scheduler=scheduler,
+    ckpt = CheckpointManager(cfg.checkpoint_dir, backend, cfg.keep_checkpoints, cfg.keep_best) \
+        if cfg.checkpoint_dir else None
+    return _Run(cfg=cfg, backend=backend, log=log, result=result, geo=geo, plan=plan, train_data=train_data,
+                val_data=val_data, task=task, model=model, optimizer=optimizer, scheduler=scheduler,
                 scaler=make_scaler(cfg.precision, backend.device),  # fp16 only; checkpointed
-                ckpt=CheckpointManager(cfg.checkpoint_dir, backend, cfg.keep_checkpoints) if cfg.checkpoint_dir else None,
-                watch=NonFiniteWatch(backend, cfg.on_nonfinite), samples=samples,
+                ckpt=ckpt, watch=NonFiniteWatch(backend, cfg.on_nonfinite), samples=samples,
+                observers=Observers(cfg, backend.is_master),
                 loss_sum=torch.zeros((), dtype=torch.float64, device=backend.device))
+
+
+def _check_data(run: _Run) -> None:
+    """Collective: one batch of each dataset through the model on every rank, before any step.
+
+    A sample shape, dtype, label or vocabulary the model does not take fails here in one line
+    (the task says what is wrong), not hours later inside a collective. Eval mode and no
+    gradients: nothing the check does changes the run.
+    """
+    plain = run.backend.eval_module(run.model)
+    problems = []
+    for name, data in (("training", unwrap_dataset(run.train_data)), ("validation", run.val_data)):
+        if data is None:
+            continue
+        try:
+            batch = next(iter(DataLoader(data, batch_size=min(run.geo.batch, len(data)))))  # type: ignore[arg-type]
+            was = plain.training
+            plain.eval()
+            try:
+                with torch.no_grad(), autocast(run.cfg.precision, run.backend.device):
+                    facts = run.task.check(plain, to_device(batch, run.backend.device))
+            finally:
+                plain.train(was)
+            if "classes" in facts:  # every label where the data can list them, else this batch's
+                labels = all_labels(data)
+                if labels is None:
+                    check_labels(facts["batch_labels"], facts["classes"])
+                else:
+                    check_labels(labels, facts["classes"], where=" (sample {})")
+        except HvdkitError as exc:
+            problems.append(f"{name} data does not fit the model: {exc.message}" + (f" HINT: {exc.hint}" if exc.hint else ""))
+        except Exception as exc:  # noqa: BLE001 - the model's own error: one line
+            from .errors import first_line
+
+            problems.append(f"{name} data does not fit --model {run.cfg.model}: the first batch raised "
+                            f"{type(exc).__name__}: {first_line(exc)} HINT: check the data's sample "
+                            "shape and dtype against what the model takes")
+    found = run.backend.gather_objects(problems[0] if problems else None)
+    first = next((p for p in found if p), None)
+    if first is not None:
+        message, _, hint = first.partition(" HINT: ")
+        err = HvdkitError(message, hint or None)
+        err.echo = run.master
+        raise err
 
 
 def _enter(run: _Run) -> None:
     """Collective, at the start and after every elastic reset: where the ranks are, and what
-    depends on the world size (batch geometry, LR scale and warm-up)."""
+    depends on the world size (batch geometry, LR scale, warm-up and schedule)."""
     cfg, backend, result = run.cfg, run.backend, run.result
     size, accum = backend.size, cfg.backend.accumulation_steps
     result.world_size = size
@@ -422,65 +413,79 @@ def _enter(run: _Run) -> None:
     result.topology = backend.topology([p["host"] for p in result.placement])
     debug(f"rank {backend.rank}/{size} on {socket.gethostname()} pid {os.getpid()}: "
           f"{torch.get_num_threads()} threads, {backend.device}")
-    run.geo = geo = _geometry(cfg, size, len(run.dataset))
+    run.geo = geo = _geometry(cfg, size, len(run.train_data))  # type: ignore[arg-type]
     if run.master and cfg.global_batch_size not in (None, geo.global_batch):
         warn(f"global batch {cfg.global_batch_size} rounded down to {geo.global_batch}")
-    run.plan.scale = float(size * accum) if cfg.scale_lr else 1.0
-    run.plan.warmup_steps = int(cfg.warmup_epochs * geo.steps_per_epoch)
+    plan = run.plan
+    plan.scale = float(size * accum) if cfg.scale_lr else 1.0
+    plan.warmup_steps = int(cfg.warmup_epochs * geo.steps_per_epoch)
+    plan.total_steps = cfg.max_steps or cfg.epochs * geo.steps_per_epoch
+    plan.step_every = max(1, round(cfg.lr_step_epochs * geo.steps_per_epoch))
     # the LR of the *current* world, also after a restore from a checkpoint of another size
-    run.scheduler.base_lrs = [cfg.lr * run.plan.scale for _ in run.optimizer.param_groups]
+    run.scheduler.base_lrs = [cfg.lr * plan.scale for _ in run.optimizer.param_groups]
     for group, lr in zip(run.optimizer.param_groups, run.scheduler.base_lrs):
-        group["lr"] = lr * run.plan.factor(run.state.global_step)
-    run.scheduler._last_lr = [g["lr"] for g in run.optimizer.param_groups]  # noqa: SLF001 - get_last_lr()
+        group["lr"] = lr * plan.factor(run.step)
     if cfg.asha_dir and run.master and run.asha is None:
         run.asha = AshaTrial(cfg.asha_dir, cfg.asha_trial)
     if run.master:
         run.log(f"{backend.describe()}; {cfg.precision}; world {size}, batch {geo.batch}/rank, global {geo.global_batch}, "
-                f"lr {cfg.lr * run.plan.scale:g}, {geo.steps_per_epoch} steps/epoch, "
+                f"lr {cfg.lr * plan.scale:g}, {geo.steps_per_epoch} steps/epoch, "
                 f"{result.topology['nodes']} node(s) {' '.join(result.topology['hosts'])}, start step "
-                f"{run.state.global_step}, slurm restarts {os.environ.get('SLURM_RESTART_COUNT', '0')}, "
+                f"{run.step}, slurm restarts {os.environ.get('SLURM_RESTART_COUNT', '0')}, "
                 f"ranks {' '.join(result.ranks)}")
 
 
 def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
            result: TrainResult) -> TrainResult:
+    preemption = Preemption(backend, requeue=cfg.requeue, log=log)  # signals are caught from here on
     run = _set_up(cfg, backend, log, result)
-    if cfg.elastic:
-        diag(f"elastic worker rank {backend.rank} of {backend.size} host {backend.slot_host()} "
-             f"pid {os.getpid()}", every_rank=True)
-        # sync, then the loop; after a lost or added worker: roll back or keep, re-sync, re-enter
-        try:
-            backend.run_elastic(lambda: _loop(run), run)
-        except ConfigError as err:  # the same refusal on every rank: one of them says it
-            err.echo = backend.is_master
-            raise
-    else:
-        run.sync()
-        _loop(run)
+    preemption.on_stop = lambda _step: run.save()
+    try:
+        _check_data(run)
+        run.memory = ElasticMemory(backend, run)
+        if cfg.elastic:
+            diag(f"elastic worker rank {backend.rank} of {backend.size} host {backend.slot_host()} "
+                 f"pid {os.getpid()}", every_rank=True)
+            # sync, then the loop; after a lost or added worker: roll back or keep, re-sync, re-enter
+            try:
+                backend.run_elastic(lambda: _loop(run, preemption), run.memory)
+            except ConfigError as err:  # the same refusal on every rank: one of them says it
+                err.echo = backend.is_master
+                raise
+        else:
+            run.start_fresh()
+            run.loaded(rolled_back_from=None)
+            _loop(run, preemption)
+    except Preempted as stop:
+        result.preempted, result.status = True, "preempted"
+        result.global_step, result.requeued, result.requeue = stop.step, stop.requeued, stop.outcome
+    finally:
+        run.observers.close()
     return result
 
 
-def _loop(run: _Run) -> None:
-    """The epochs from wherever ``run.state`` says; re-entered after an elastic reset."""
+def _loop(run: _Run, preemption: Preemption) -> None:
+    """The epochs from wherever ``run.progress`` says; re-entered after an elastic reset."""
     cfg, backend = run.cfg, run.backend
     _enter(run)
-    state = run.state
-    done = cfg.max_steps is not None and state.global_step >= cfg.max_steps
+    done = cfg.max_steps is not None and run.step >= cfg.max_steps
     # --timeline: Horovod writes its own (set at init); other backends take a profiler trace here
     timeline = backend.profiler_trace_path(cfg.backend.horovod.timeline)
-    with PreemptionGuard() as guard, step_profiler(timeline, run.master) as profiler:
-        while not done and run.state.epoch < cfg.epochs:
-            state = run.state
-            sampler = ShardSampler(len(run.dataset), backend.size, backend.rank, seed=cfg.seed,
-                                   uneven=cfg.uneven)
-            sampler.set_epoch(state.epoch, start=state.samples_in_epoch)
-            first_sample, t0 = state.samples_in_epoch, time.perf_counter()
-            if _one_epoch(run, sampler, guard, profiler):
-                return  # preempted or at --max-steps: saved and reported
-            if not _end_epoch(run, state.samples_in_epoch - first_sample, time.perf_counter() - t0):
+    with preemption, step_profiler(timeline, run.master) as profiler:
+        while not done and run.progress.epoch < cfg.epochs:
+            p = run.progress
+            sampler = ShardSampler(len(run.train_data), backend.size, backend.rank,  # type: ignore[arg-type]
+                                   seed=cfg.seed, uneven=cfg.uneven)
+            sampler.set_epoch(p.epoch, start=p.samples_in_epoch)
+            if isinstance(run.train_data, SampleSeeded):
+                run.train_data.epoch = p.epoch
+            first_sample, t0 = p.samples_in_epoch, time.perf_counter()
+            if _one_epoch(run, sampler, preemption, profiler):
+                return  # at --max-steps: saved and reported
+            if not _end_epoch(run, p.samples_in_epoch - first_sample, time.perf_counter() - t0):
                 break  # ASHA pruned this trial
-    run.result.global_step = run.state.global_step
-    _report_done(cfg, backend, run.model, run.result, run.log)
+    run.result.global_step = run.step
+    _report_done(run)
 
 
 @dataclass(frozen=True)
@@ -498,7 +503,7 @@ def _epoch_plan(run: _Run, sampler: ShardSampler) -> list[_Step]:
     more and the last batch of a rank may be partial."""
     geo, size = run.geo, run.backend.size
     if not run.cfg.uneven:
-        n = (run.epoch_samples - run.state.samples_in_epoch) // geo.global_batch
+        n = (run.epoch_samples - run.progress.samples_in_epoch) // geo.global_batch
         return [_Step(geo.global_batch // size, geo.global_batch, True)] * n
     lengths = [sampler.shard_length(r) for r in range(size)]
     plan = []
@@ -508,11 +513,14 @@ def _epoch_plan(run: _Run, sampler: ShardSampler) -> list[_Step]:
     return plan
 
 
-def _one_epoch(run: _Run, sampler: ShardSampler, guard: PreemptionGuard,
-               profiler) -> bool:  # noqa: ANN001 - torch profiler or a no-op
-    """The steps of the epoch from ``state.samples_in_epoch``; True when the run must end here."""
-    cfg, backend, state, geo = run.cfg, run.backend, run.state, run.geo
-    batches = iter(DataLoader(run.dataset, batch_size=geo.batch, sampler=sampler, drop_last=not cfg.uneven))
+def _one_epoch(run: _Run, sampler: ShardSampler, preemption: Preemption,
+               profiler: Any) -> bool:
+    """The steps of the epoch from ``progress.samples_in_epoch``; True when the run ends here
+    (``--max-steps``). A preemption raises :class:`Preempted` after its checkpoint."""
+    cfg, backend, geo = run.cfg, run.backend, run.geo
+    loader = DataLoader(run.train_data, batch_size=geo.batch, sampler=sampler, drop_last=not cfg.uneven,
+                        num_workers=cfg.num_workers, pin_memory=backend.device.type == "cuda")
+    batches = iter(loader)
     plan = _epoch_plan(run, sampler)
     done = 0
     run.model.train()
@@ -524,41 +532,41 @@ def _one_epoch(run: _Run, sampler: ShardSampler, guard: PreemptionGuard,
                 break
             # Agree on preemption and earlier non-finite losses while this step computes; in an
             # uneven tail (some rank has joined) nothing but the gradients may be reduced.
-            agreement = backend.start_any_flags([guard.requested, run.watch.flag()]) if step.full else None
+            agreement = preemption.begin(run.watch.flag()) if step.full else None
             # the reduction divides by the world size: weigh this rank's mean loss so that the
             # step's gradient is the mean over the samples all ranks read (1.0 for even shards)
             weight = step.mine * backend.size / step.total if cfg.uneven else None
-            loss = train_step(backend, run.model, run.optimizer, batches, cfg.backend.accumulation_steps,
-                              backend.device, cfg.precision, run.scaler, weight)
-            run.watch.record(loss, state.global_step + 1)
+            loss = train_step(backend, run.model, run.optimizer, run.task, batches,
+                              cfg.backend.accumulation_steps, cfg.precision, run.scaler, weight,
+                              cfg.clip_grad_norm)
+            run.watch.record(loss, run.step + 1)
             run.loss_sum += loss
             run.scheduler.step()
             profiler.step()
             _advance(run, step)
             done = k + 1
-            if run.master and cfg.log_every and state.global_step % cfg.log_every == 0:
-                run.log(f"step {state.global_step} loss {loss.item():.6f} "
-                        f"lr {run.scheduler.get_last_lr()[0]:.5g}")
+            if run.master and cfg.log_every and run.step % cfg.log_every == 0:
+                run.log(f"step {run.step} loss {loss.item():.6f} lr {run.optimizer.param_groups[0]['lr']:.5g}")
+            run.observers.step(run, loss)
             if agreement is None:
                 continue
             stop, nonfinite = agreement()  # the same answers on every rank
-            limit = cfg.max_steps is not None and state.global_step >= cfg.max_steps
-            # the epoch's last step is saved and committed at the epoch's end
-            more = k + 1 < len(plan)
-            periodic = bool(cfg.checkpoint_every and state.global_step % cfg.checkpoint_every == 0 and more)
+            limit = cfg.max_steps is not None and run.step >= cfg.max_steps
+            more = k + 1 < len(plan)  # the epoch's last step is evaluated and saved at its end
+            if more and cfg.eval_every and run.step % cfg.eval_every == 0 and not (stop or limit):
+                _evaluate(run, say=True)
+            periodic = bool(cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0 and more)
             wants_save = bool(run.ckpt and (stop or limit or periodic))
             run.check_nonfinite(nonfinite and not run.watch.warned, before_save=wants_save)
             if wants_save:
-                run.checkpoint()
-            if stop:
-                _report_preemption(cfg, backend, guard, state, run.result, bool(run.ckpt), run.log)
-                return True
+                run.save()
+            preemption.check(run.step, agreed=stop)  # saved above; requeues and raises if stop
             if limit:
                 if run.master:
                     run.log(f"stopped at max_steps={cfg.max_steps}{'; checkpoint saved' if run.ckpt else ''}")
-                run.result.global_step = state.global_step
+                run.result.global_step = run.step
                 return True
-            if more and state.global_step % cfg.commit_every == 0:
+            if more and run.step % cfg.commit_every == 0:
                 run.commit()
     if done < len(plan):  # joined early: take the others' steps, then their weights
         for step in plan[done:]:
@@ -570,105 +578,104 @@ def _one_epoch(run: _Run, sampler: ShardSampler, guard: PreemptionGuard,
 
 
 def _advance(run: _Run, step: _Step) -> None:
-    state = run.state
-    state.global_step += 1
-    state.samples_in_epoch += step.total
-    state.samples_seen += step.total
-    run.steps_in_epoch += 1
+    p = run.progress
+    p.global_step += 1
+    p.samples_in_epoch += step.total
+    p.samples_seen += step.total
+    p.steps_in_epoch += 1
+
+
+def _evaluate(run: _Run, say: bool = False) -> dict[str, float]:
+    """Collective: held-out metrics over the whole validation set, each sample once."""
+    if run.val_data is None:
+        return {}
+    cfg = run.cfg
+    metrics = evaluate(run.backend, run.model, run.val_data, run.task, cfg.eval_batch_size or run.geo.batch,
+                       cfg.precision, cfg.num_workers)
+    run.progress.last_eval = metrics
+    if run.master and say:
+        shown = " ".join(f"val_{k} {v:.6g}" for k, v in metrics.items() if k != "count")
+        run.log(f"step {run.step} {shown}")
+    run.observers.evaluated(run, metrics)
+    return metrics
 
 
 def _end_epoch(run: _Run, samples_here: int, seconds: float) -> bool:
-    """Epoch loss and throughput, the non-finite check, ASHA's rung, the epoch checkpoint and commit.
-
-    Returns False when ASHA pruned the trial.
-    """
-    backend, state = run.backend, run.state
-    epoch = state.epoch
+    """Epoch loss and throughput, held-out metrics, the non-finite check, ASHA's rung, the epoch
+    checkpoint and commit. Returns False when ASHA pruned the trial."""
+    backend, p = run.backend, run.progress
+    epoch = p.epoch
     # Throughput of the slowest rank is the job's throughput.
     slowest = backend.allreduce_metric(seconds, op="max")
     sps = samples_here / slowest if slowest > 0 else float("nan")
-    epoch_loss = (run.loss_committed + backend.allreduce_metric(run.loss_sum)) / max(run.steps_in_epoch, 1)
+    epoch_loss = (p.loss_committed + backend.allreduce_metric(run.loss_sum)) / max(p.steps_in_epoch, 1)
     if run.samples is not None:  # while the state still says which epoch they belong to
-        run.samples.record(epoch, state.global_step)
-    run.result.epoch_losses.append(epoch_loss)
-    run.result.samples_per_sec.append(sps)
+        run.samples.record(epoch, run.step)
+    val = _evaluate(run)
+    record: dict[str, Any] = {"epoch": epoch, "step": run.step, "loss": epoch_loss, "samples_per_sec": sps,
+                              **{f"val_{k}": v for k, v in val.items()}}
+    p.history.append(record)
+    run.result.history = p.history
     if run.master:
-        run.log(f"epoch {epoch} loss {epoch_loss:.6f} samples/s {sps:.1f} ({backend.size} ranks)")
+        shown = "".join(f" val_{k} {v:.6g}" for k, v in val.items() if k != "count")
+        run.log(f"epoch {epoch} loss {epoch_loss:.6f}{shown} samples/s {sps:.1f} ({backend.size} ranks)")
+    run.observers.epoch(run, record)
     run.check_nonfinite(not run.watch.warned and run.watch.check_now(), before_save=False)
-    state.epoch, state.samples_in_epoch = epoch + 1, 0
+    p.epoch, p.samples_in_epoch = epoch + 1, 0
     run.loss_sum.zero_()
-    run.loss_committed, run.steps_in_epoch = 0.0, 0
+    p.loss_committed, p.steps_in_epoch = 0.0, 0
     # ASHA decides before the save: a trial requeued in between meets the same rung
     # again and reuses the recorded decision
-    go_on = _asha_rung(run.cfg, run.asha, backend, state.epoch, epoch_loss, run.result, run.log)
-    if run.ckpt:
-        run.checkpoint()
+    go_on = _asha_rung(run, record)
+    run.save()
     run.commit()
     return go_on
 
 
-def _asha_rung(cfg: TrainConfig, asha: AshaTrial | None, backend: Backend, epoch: int, value: float,
-               result: TrainResult, log: Callable[[str], None]) -> bool:
+def _asha_rung(run: _Run, record: dict[str, Any]) -> bool:
     """Collective at every epoch end of an ASHA trial: rank 0 decides, every rank learns it."""
-    if cfg.asha_dir is None:
+    if run.cfg.asha_dir is None:
         return True
-    decision = asha.report(epoch, value) if asha is not None and asha.is_rung(epoch) else None
-    decision = backend.broadcast_object(decision, 0)  # asha is rank 0's alone
+    epoch = run.progress.epoch  # epochs done
+    decision = None
+    if run.asha is not None and run.asha.is_rung(epoch):
+        metric = run.asha.config.metric
+        value = record.get("loss" if metric == "final_loss" else metric, float("nan"))
+        decision = run.asha.report(epoch, float(value))
+    decision = run.backend.broadcast_object(decision, 0)  # asha is rank 0's alone
     if decision is None:
         return True
-    result.asha.append(decision)
-    if backend.is_master:
+    run.result.asha.append(decision)
+    if run.master:
         verdict = "continues" if decision["go_on"] else "pruned"
-        log(f"asha: trial {decision['trial']} at epoch {epoch} loss {value:.6f}: {verdict} "
-            f"({decision['rule']}{'; recorded decision reused' if decision['reused'] else ''})")
+        run.log(f"asha: trial {decision['trial']} at epoch {epoch} {decision.get('metric', 'loss')} "
+                f"{decision['value']:.6f}: {verdict} "
+                f"({decision['rule']}{'; recorded decision reused' if decision['reused'] else ''})")
     if not decision["go_on"]:
-        result.status = "pruned"
+        run.result.status = "pruned"
     return bool(decision["go_on"])
 
 
-def _report_preemption(cfg: TrainConfig, backend: Backend, guard: PreemptionGuard,
-                       state: TrainingState, result: TrainResult, saved: bool,
-                       log: Callable[[str], None]) -> None:
-    """After a checkpoint on signal: requeue under Slurm (USR1 only) and say what happened."""
-    result.preempted, result.global_step, result.status = True, state.global_step, "preempted"
-    requeue = backend.any_true(guard.should_requeue) and cfg.requeue
-    result.requeued = requeue  # rank 0 corrects it below if scontrol refused
-    received = backend.allreduce_metric(guard.received or 0, op="max")
-    if backend.is_master:
-        result.requeue = requeue_slurm_job() if requeue else "not requeued"
-        result.requeued = result.requeue.startswith("requeued")
-        log(f"preempted at step {state.global_step} by {signal.Signals(int(received)).name}; "
-            f"{'checkpoint saved' if saved else 'no checkpoint dir'}; {result.requeue}")
-
-
-def _report_done(cfg: TrainConfig, backend: Backend, model: nn.Module, result: TrainResult,
-                 log: Callable[[str], None]) -> None:
+def _report_done(run: _Run) -> None:
     """Check that every rank holds the same weights, print the summary, write metrics."""
-    digests = backend.gather_objects(param_digest(backend.unwrap(model)))
+    backend, result, cfg = run.backend, run.result, run.cfg
+    digests = backend.gather_objects(param_digest(backend.unwrap(run.model)))
     result.param_digest = digests[0]
+    result.history = run.progress.history
+    result.epoch_losses = run.progress.epoch_losses
+    result.samples_per_sec = [float(r.get("samples_per_sec", float("nan"))) for r in result.history]
+    result.val = {f"val_{k}": v for k, v in run.progress.last_eval.items()}
+    if run.ckpt is not None and run.master:
+        result.best = run.ckpt.best()
     if backend.is_master:
         same = all(d == digests[0] for d in digests)
-        log(f"done: backend={backend.name} world={backend.size} final_loss={result.final_loss!r} "
-            f"steps={result.global_step} params_identical_on_all_ranks={same} "
-            f"digest={digests[0]} ranks={' '.join(result.ranks)}")
+        val = "".join(f" {k}={v!r}" for k, v in result.val.items() if k != "val_count")
+        run.log(f"done: backend={backend.name} world={backend.size} final_loss={result.final_loss!r}{val} "
+                f"steps={result.global_step} params_identical_on_all_ranks={same} "
+                f"digest={digests[0]} ranks={' '.join(result.ranks)}")
         if cfg.metrics_file:
-            _write_json(Path(cfg.metrics_file), {**dataclasses.asdict(result),
-                                                 "final_loss": result.final_loss,
-                                                 "params_identical": same,
-                                                 "config": dataclasses.asdict(cfg)})
-
-
-def _open_data(cfg: TrainConfig, master: bool) -> torch.utils.data.Dataset:
-    """The HDF5 dataset (checked against the model before the first step) or synthetic data."""
-    if not cfg.data:
-        return synthetic_dataset(cfg.model, cfg.num_samples)
-    try:
-        return H5Dataset(cfg.data, model=cfg.model)
-    except HvdkitError as err:
-        err.echo = master  # every rank reads the same file and fails the same way
-        raise
-
-
-def _write_json(path: Path, data: dict) -> None:
-    write_json_atomic(path, data)
-    diag(f"wrote {path}")
+            write_json_atomic(Path(cfg.metrics_file), {**dataclasses.asdict(result),
+                                                       "final_loss": result.final_loss, **result.val,
+                                                       "params_identical": same,
+                                                       "config": dataclasses.asdict(cfg)})
+            diag(f"wrote {cfg.metrics_file}")

@@ -31,15 +31,47 @@ CASES = [
     ("slurm -o x.sbatch --backend mxnet", 2, "'mxnet' is not one of"),
     ("slurm -o x.sbatch -- noexec.py --epochs 1", 2, "noexec.py"),
     ("slurm -o x.sbatch -- ./missing.py", 2, "does not exist"),
+    ("slurm -o x.sbatch -- --model nosuchpkg.models:net", 2, "module nosuchpkg.models cannot be found here"),
+    ("slurm -o x.sbatch -- --model factories.py:linear --model-arg widht=4", 2, "takes no argument 'widht'"),
+    ("slurm -o x.sbatch -- --model missing.py:net", 2, "file missing.py does not exist"),
+    ("slurm -o x.sbatch -- --model factories.py:nope", 2, "factories.py defines no 'nope'"),
+    ("slurm -o x.sbatch -- --lr nan", 2, "lr must be a finite number > 0"),
     # hvdkit run: refused before any launcher starts
     ("run -np 0", 2, "'-np' / '--np'"),
     ("run --iface nosuch0 -- --epochs 1", 1, "network interface 'nosuch0'"),
     ("run --elastic -- --epochs 1", 2, "--elastic needs --host-discovery-script"),
     ("run -- --lrr 0.1", 2, "did you mean --lr?"),
     ("run -- ./missing.py", 2, "does not exist"),
+    ("run -- --model torch.nn:Linear --model-arg in_features=8 --model-arg bogus=1", 2,
+     "--model torch.nn:Linear takes no argument 'bogus'"),
+    ("run -- --val-fraction 1.5", 2, "--val-fraction must be in [0, 1)"),
     # hvdkit train: bad options, bad data (before the first step)
     ("train --lr -1", 2, "'--lr'"),
-    ("train --model resnet", 2, "'resnet' is not one of"),
+    ("train --lr nan", 2, "lr must be a finite number > 0, got nan"),
+    ("train --model resnet", 2, "--model 'resnet' is not known"),
+    ("train --val-fraction 1.5", 2, "--val-fraction must be in [0, 1), got 1.5"),
+    ("train --eval-every 5", 2, "--eval-every needs validation data"),
+    ("train --keep-best val_loss --checkpoint-dir ck", 2, "--keep-best val_loss needs validation data"),
+    ("train --model-arg width", 2, "--model-arg 'width' is not KEY=VALUE"),
+    ("train --model tiny --model-arg width=4", 2, "--model tiny takes no argument 'width'"),
+    # your own model and data: a path that does not import, a factory that raises, an argument it
+    # lacks, an output that does not fit the labels, data that does not fit the model
+    ("train --model nosuchpkg.models:net", 2, "importing nosuchpkg.models failed: ModuleNotFoundError"),
+    ("train --model factories.py:nope --data tiny.h5", 2, "has no attribute 'nope'"),
+    ("train --model factories.py:boom --data tiny.h5", 1, "factories.py:boom() raised RuntimeError: no GPU"),
+    ("train --model factories.py:linear --model-arg widht=4 --data tiny.h5", 2,
+     "takes no argument 'widht'"),
+    ("train --model factories.py:linear --model-arg outputs=2 --data tiny.h5", 1,
+     "label 3 (sample 0) does not fit the model's 2 outputs"),
+    ("train --model factories.py:linear --model-arg inputs=5 --data tiny.h5", 1,
+     "training data does not fit --model factories.py:linear: the first batch raised RuntimeError: "
+     "mat1 and mat2 shapes cannot be multiplied"),
+    ("train --model factories.py:linear --model-arg inputs=5", 1, "needs data: synthetic data exists only"),
+    ("train --model factories.py:linear --data tiny.h5 --task language-model", 1,
+     "language-model inputs must be integer token ids"),
+    ("train --optimizer torch.optim:RMSprop --optimizer-arg alfa=0.9", 2, "takes no argument 'alfa'"),
+    ("train --dataset factories.py:not_a_dataset --model factories.py:linear", 1,
+     "gave a int as training data, not a map-style Dataset"),
     ("train --config missing.yaml", 2, "cannot read missing.yaml"),
     ("train --global-batch-size 3 --exact-batch --accumulation-steps 2", 1, "does not divide"),
     ("train --data missing.h5", 1, "does not exist"),
@@ -48,6 +80,7 @@ CASES = [
     ("train --data badlabel.h5 --model tiny", 1, "'y'[3] = 99 is outside model tiny's 4 classes"),
     ("train --data float64.h5 --model tiny", 1, "has dtype float64, expected float32"),
     ("train --data nokeys.h5 --model tiny", 1, "no dataset 'x'"),
+    ("train --data tiny.h5 --val-data nokeys.h5 --model tiny", 1, "nokeys.h5: no dataset 'x'"),
     # hvdkit ckpt / data / sweep / bench
     ("ckpt show missing.h5", 1, "does not exist"),
     ("ckpt show one-line.txt", 1, "damaged header or is not a checkpoint"),
@@ -76,6 +109,11 @@ def inputs(tmp_path_factory):
     d = tmp_path_factory.mktemp("inputs")
     (d / "one-line.txt").write_text("--lr 0.1\n")
     (d / "noexec.py").write_text("print('hi')\n")
+    (d / "factories.py").write_text(
+        "import torch\n\n"
+        "def boom():\n    raise RuntimeError('no GPU')\n\n"
+        "def linear(inputs=8, outputs=4):\n    return torch.nn.Linear(inputs, outputs)\n\n"
+        "def not_a_dataset():\n    return 3\n")
     (d / "badspace.yaml").write_text("metric: final_loss\nfixed: {model: tiny}\n")
     make_synthetic_h5(d / "tiny.h5", "tiny", 64)
     for name, edit in (("badlabel.h5", lambda f: f["y"].__setitem__(3, 99)),
@@ -87,7 +125,7 @@ def inputs(tmp_path_factory):
         f["x"], f["y"] = np.zeros((4, 8)), np.zeros(4, dtype=np.int64)
     with h5py.File(d / "nokeys.h5", "w") as f:
         f["images"] = np.zeros((4, 8), np.float32)
-    ckpt = write_checkpoint(d / "damaged.h5", Snapshot(model=build_model("tiny").state_dict()))
+    ckpt = write_checkpoint(d / "damaged.h5", Snapshot(states={"model": build_model("tiny").state_dict()}))
     data = bytearray(ckpt.read_bytes())
     data[len(data) // 2] ^= 0x40
     ckpt.write_bytes(bytes(data))

@@ -16,13 +16,13 @@ from hvdkit import LocalBackend, BackendConfig, build_model
 from hvdkit.checkpoint import (
     CheckpointManager,
     Snapshot,
-    TrainingState,
     capture_rng,
     read_checkpoint,
     restore_rng,
     verify_checkpoint,
     write_checkpoint,
 )
+from hvdkit.progress import Progress
 from hvdkit.cli import cli
 from hvdkit.errors import CheckpointError
 from helpers import assert_tree_equal, trained_state
@@ -39,22 +39,22 @@ def test_round_trip_is_exact(tmp_path):
         "extra.scalar": torch.tensor(3.5),
         "weird/name with spaces": torch.ones(2),
     }
-    snap = Snapshot(model=tensors, optimizer=opt.state_dict(), scheduler=sched.state_dict(),
-                    state=TrainingState(epoch=2, global_step=17, samples_seen=544, samples_in_epoch=32,
-                                        extra={"loss_sums": [1.5, 2.25], "epoch_losses": [0.5]}),
-                    rng=[capture_rng(), capture_rng()], meta={"world_size": 2, "backend": "ddp"})
+    loop = Progress(epoch=2, global_step=17, samples_seen=544, samples_in_epoch=32, loss_sums=[1.5, 2.25],
+                    history=[{"epoch": 0, "loss": 0.5}]).state_dict()
+    snap = Snapshot(states={"model": tensors, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                            "loop": loop, "seed": 17, "note": ("a", 1)},
+                    rng=[capture_rng(), capture_rng()], meta={"step": 17, "world_size": 2, "backend": "ddp"})
     path = write_checkpoint(tmp_path / "ckpt-000000017.h5", snap)
     back = read_checkpoint(path)
-    assert_tree_equal(snap.model, back.model)
-    assert_tree_equal(snap.optimizer, back.optimizer)  # tensors, 'step', betas tuple, param groups
-    assert_tree_equal(snap.scheduler, back.scheduler)
-    assert back.state == snap.state
-    assert back.meta["world_size"] == 2 and back.meta["backend"] == "ddp"
+    assert list(back.states) == list(snap.states)
+    for key in snap.states:  # tensors, 'step', betas tuple, param groups, plain values
+        assert_tree_equal(snap[key], back[key], key)
+    assert back.step == 17 and back.meta["world_size"] == 2 and back.meta["backend"] == "ddp"
     assert back.meta["torch_version"] == torch.__version__
     # the optimizer state really loads into a fresh optimizer
     model2 = build_model("mlp")
     opt2 = torch.optim.Adam(model2.parameters(), lr=1e-3)
-    opt2.load_state_dict(back.optimizer)
+    opt2.load_state_dict(back["optimizer"])
     # RNG restore reproduces the same draws
     restore_rng(back.rng[0])
     a = (torch.rand(3), np.random.rand(), random.random())
@@ -65,10 +65,10 @@ def test_round_trip_is_exact(tmp_path):
 
 def test_plain_h5py_and_h5dump_can_read_it(tmp_path):
     model, opt, _ = trained_state()
-    path = write_checkpoint(tmp_path / "c.h5", Snapshot(model=model.state_dict(), optimizer=opt.state_dict(),
-                                                        state=TrainingState(global_step=3)))
+    path = write_checkpoint(tmp_path / "c.h5", Snapshot(states={"model": model.state_dict(),
+                                                                "optimizer": opt.state_dict()}, meta={"step": 3}))
     with h5py.File(path, "r") as f:
-        assert f.attrs["format"] == "hvdkit-checkpoint" and f.attrs["global_step"] == 3
+        assert f.attrs["format"] == "hvdkit-checkpoint" and f.attrs["step"] == 3
         w = f["model/inp.weight"][()]
         assert np.array_equal(w, model.state_dict()["inp.weight"].numpy())
         assert "exp_avg" in f["optimizer/state/0"]
@@ -79,7 +79,7 @@ def test_plain_h5py_and_h5dump_can_read_it(tmp_path):
 
 def test_bit_flip_and_truncation_are_detected(tmp_path):
     model, _, _ = trained_state()
-    good = write_checkpoint(tmp_path / "good.h5", Snapshot(model=model.state_dict()))
+    good = write_checkpoint(tmp_path / "good.h5", Snapshot(states={"model": model.state_dict()}))
     assert verify_checkpoint(good) == (True, "checksum OK")
 
     flipped = tmp_path / "flipped.h5"
@@ -106,11 +106,13 @@ def test_loop_state_edit_is_detected_and_ckpt_verify_says_so(tmp_path):
     """The reported silent corruption: global_step 4 -> 5 in the loop state, file otherwise valid."""
     model, opt, _ = trained_state()
     path = write_checkpoint(tmp_path / "ckpt-000000004.h5", Snapshot(
-        model=model.state_dict(), optimizer=opt.state_dict(), state=TrainingState(global_step=4)))
-    other = write_checkpoint(tmp_path / "ckpt-000000003.h5", Snapshot(model=model.state_dict()))
+        states={"model": model.state_dict(), "optimizer": opt.state_dict(),
+                "loop": Progress(global_step=4).state_dict()}, meta={"step": 4}))
+    other = write_checkpoint(tmp_path / "ckpt-000000003.h5", Snapshot(states={"model": model.state_dict()}))
     with h5py.File(path, "r+") as f:  # a well-formed edit: HDF5 itself sees nothing wrong
-        f.attrs["json:loop"] = f.attrs["json:loop"].replace('"global_step": 4', '"global_step": 5')
-        f.attrs["global_step"] = 5
+        assert '"global_step", 4' in f.attrs["json:loop"]
+        f.attrs["json:loop"] = f.attrs["json:loop"].replace('"global_step", 4', '"global_step", 5')
+        f.attrs["step"] = 5
     assert not verify_checkpoint(path)[0]
     result = CliRunner().invoke(cli, ["ckpt", "verify", str(tmp_path)])
     assert result.exit_code == 1
@@ -125,22 +127,23 @@ def test_loop_state_edit_is_detected_and_ckpt_verify_says_so(tmp_path):
 
 def test_content_checksum_covers_attributes_even_without_the_digest(tmp_path):
     """Second layer: the in-file checksum also changes with any attribute (the root's too)."""
-    from hvdkit.checkpoint import _content_checksum
+    from hvdkit.checkpoint.integrity import content_checksum
 
     model, _, _ = trained_state()
-    path = write_checkpoint(tmp_path / "c.h5", Snapshot(model=model.state_dict(),
-                                                       state=TrainingState(global_step=4)))
+    path = write_checkpoint(tmp_path / "c.h5", Snapshot(states={"model": model.state_dict(),
+                                                               "loop": Progress(global_step=4).state_dict()},
+                                                       meta={"step": 4}))
     with h5py.File(path, "r+") as f:
-        before = _content_checksum(f)
+        before = content_checksum(f)
         assert before == int(f.attrs["checksum"])
-        for edit in (lambda: f.attrs.__setitem__("epoch", 1),
+        for edit in (lambda: f.attrs.__setitem__("step", 1),
                      lambda: f.attrs.__setitem__("json:loop", f.attrs["json:loop"].replace("4", "5")),
                      lambda: f["model"].attrs.__setitem__("order", "[]")):
             edit()
-            assert _content_checksum(f) != before
+            assert content_checksum(f) != before
 
 
-def test_manager_keeps_last_n_and_falls_back_past_corrupt(tmp_path, capsys):
+def test_manager_keeps_last_n_and_falls_back_past_corrupt(tmp_path, caplog):
     backend = LocalBackend(BackendConfig())
     mgr = CheckpointManager(tmp_path, backend, keep=2)
     stale = tmp_path / ".ckpt-000000009.h5.tmp4242"  # left by a writer killed mid-write
@@ -150,7 +153,7 @@ def test_manager_keeps_last_n_and_falls_back_past_corrupt(tmp_path, capsys):
     for step in (1, 2, 3):
         with torch.no_grad():
             next(model.parameters()).fill_(step)
-        mgr.save(model, opt, None, TrainingState(global_step=step))
+        mgr.save(step, {"model": model, "optimizer": opt, "step": step})
     assert not stale.exists()
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["ckpt-000000002.h5", "ckpt-000000003.h5", "latest"]
@@ -160,16 +163,105 @@ def test_manager_keeps_last_n_and_falls_back_past_corrupt(tmp_path, capsys):
     newest = tmp_path / "ckpt-000000003.h5"
     newest.write_bytes(newest.read_bytes()[:1000])
     fresh = build_model("tiny", seed=9)
-    state = mgr.restore(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
-    assert state.global_step == 2
+    states = {"model": fresh, "optimizer": torch.optim.SGD(fresh.parameters(), lr=0.1), "step": 0}
+    restored = mgr.restore(states)
+    assert restored.step == 2 and states["step"] == 2  # a plain value comes back in the dict
     assert torch.all(next(fresh.parameters()) == 2)
-    assert "WARNING: skipping ckpt-000000003.h5: checkpoint" in capsys.readouterr().err
+    warnings = [r.getMessage() for r in caplog.records if r.name == "hvdkit"]
+    assert any(w.startswith("WARNING: skipping ckpt-000000003.h5: checkpoint") for w in warnings), warnings
+
+
+class Counter:
+    """A Stateful object of the user's own (not a module, optimizer or scheduler)."""
+
+    def __init__(self) -> None:
+        self.seen, self.names = 0, ["a"]
+
+    def state_dict(self):
+        return {"seen": self.seen, "names": list(self.names), "buffer": torch.arange(3) * self.seen}
+
+    def load_state_dict(self, state):
+        self.seen, self.names = state["seen"], list(state["names"])
+        assert torch.equal(state["buffer"], torch.arange(3) * self.seen)
+
+
+def test_any_stateful_objects_and_plain_values_round_trip(tmp_path):
+    """Fabric-style states: objects with state_dict are saved through it, values as they are;
+    restore loads in place and returns what the dict did not name."""
+    from hvdkit.data import ShardSampler
+
+    backend = LocalBackend(BackendConfig())
+    mgr = CheckpointManager(tmp_path, backend)
+    counter, sampler = Counter(), ShardSampler(100, 1, 0, seed=3)
+    counter.seen, counter.names = 7, ["x", "y"]
+    sampler.set_epoch(2, start=40)
+    mgr.save(5, {"counter": counter, "sampler": sampler, "config": {"lr": 0.1, "sizes": (1, 2)}, "extra": 9})
+    counter2, sampler2 = Counter(), ShardSampler(100, 1, 0)
+    states = {"counter": counter2, "sampler": sampler2, "config": None}
+    restored = mgr.restore(states)
+    assert (counter2.seen, counter2.names) == (7, ["x", "y"])
+    assert sampler2.state_dict() == {"epoch": 2, "start": 40, "seed": 3}
+    assert list(sampler2) == list(sampler)  # the same samples from the same position
+    assert states["config"] == {"lr": 0.1, "sizes": (1, 2)}
+    assert restored.remainder == {"extra": 9} and restored.step == 5
+    with pytest.raises(CheckpointError, match="the checkpoint has no state 'missing'"):
+        mgr.restore({"missing": Counter()})
+
+
+def test_keep_best_is_never_rotated_away(tmp_path):
+    backend = LocalBackend(BackendConfig())
+    mgr = CheckpointManager(tmp_path, backend, keep=2, keep_best="val_accuracy")  # accuracy: max
+    model = build_model("tiny")
+    for step, acc in ((1, 0.5), (2, 0.9), (3, 0.7), (4, 0.8), (5, float("nan"))):
+        mgr.save(step, {"model": model}, metrics={"val_accuracy": acc})
+    names = sorted(p.name for p in tmp_path.glob("ckpt-*.h5"))
+    assert names == ["ckpt-000000002.h5", "ckpt-000000004.h5", "ckpt-000000005.h5"]
+    assert mgr.best() == {"file": "ckpt-000000002.h5", "step": 2, "metric": "val_accuracy", "mode": "max",
+                          "value": 0.9}
+    assert read_checkpoint(tmp_path / "ckpt-000000002.h5").metrics == {"val_accuracy": 0.9}
+    loss_mgr = CheckpointManager(tmp_path / "l", backend, keep=1, keep_best="val_loss")  # loss: min
+    for step, loss in ((1, 2.0), (2, 1.0), (3, 1.5)):
+        loss_mgr.save(step, {"model": model}, metrics={"val_loss": loss})
+    assert loss_mgr.best()["file"] == "ckpt-000000002.h5"
+    assert sorted(p.name for p in (tmp_path / "l").glob("ckpt-*.h5")) == ["ckpt-000000002.h5",
+                                                                          "ckpt-000000003.h5"]
+
+
+def test_a_format_2_checkpoint_of_hvdkit_0_2_still_resumes(tmp_path):
+    """Files of the previous layout (groups model/optimizer/scheduler/loop) read as states."""
+    import io
+
+    from hvdkit.checkpoint.integrity import USERBLOCK, content_checksum, seal
+    from hvdkit.h5tree import write_tree
+
+    model, opt, sched = trained_state()
+    buffer = io.BytesIO()
+    with h5py.File(buffer, "w", track_order=True, userblock_size=USERBLOCK) as f:
+        f.attrs.update({"format": "hvdkit-checkpoint", "format_version": 2, "epoch": 1, "global_step": 6,
+                        "samples_seen": 96, "samples_in_epoch": 0, "world_size": 1, "backend": "local"})
+        write_tree(f, "model", model.state_dict())
+        write_tree(f, "optimizer", opt.state_dict())
+        write_tree(f, "scheduler", sched.state_dict())
+        write_tree(f, "loop", {"epoch": 1, "global_step": 6, "samples_seen": 96, "samples_in_epoch": 0,
+                               "extra": {"loss_sums": [0.25], "loss_committed": 1.5, "steps_in_epoch": 0,
+                                         "epoch_losses": [0.75]}})
+        f.attrs["checksum"] = content_checksum(f)
+    (tmp_path / "ckpt-000000006.h5").write_bytes(seal(bytearray(buffer.getvalue())))
+    fresh = build_model("mlp", seed=5)
+    optimizer = torch.optim.Adam(fresh.parameters(), lr=1e-3)
+    loop = Progress()
+    restored = CheckpointManager(tmp_path, LocalBackend(BackendConfig())).restore(
+        {"model": fresh, "optimizer": optimizer, "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2),
+         "loop": loop})
+    assert restored.step == 6
+    assert (loop.epoch, loop.global_step, loop.loss_sums, loop.epoch_losses) == (1, 6, [0.25], [0.75])
+    assert_tree_equal(fresh.state_dict(), model.state_dict())
 
 
 def test_restore_with_no_checkpoint_is_fresh_start(tmp_path):
     mgr = CheckpointManager(tmp_path / "none", LocalBackend(BackendConfig()))
     model = build_model("tiny")
-    assert mgr.restore(model, torch.optim.SGD(model.parameters(), lr=0.1)) is None
+    assert mgr.restore({"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}) is None
 
 
 def test_failed_write_is_one_error_not_a_half_file(tmp_path):
@@ -179,7 +271,7 @@ def test_failed_write_is_one_error_not_a_half_file(tmp_path):
     model = build_model("tiny")
     with pytest.raises(CheckpointError, match="rank 0 could not handle the checkpoint: checkpoint "
                        "directory .* is not a directory") as info:
-        mgr.save(model, None, None, TrainingState(global_step=1))
+        mgr.save(1, {"model": model})
     assert "HINT: pass a directory path to --checkpoint-dir" in str(info.value)
     assert blocker.read_text() == "x"
 
@@ -187,12 +279,16 @@ def test_failed_write_is_one_error_not_a_half_file(tmp_path):
 def test_ckpt_show_cli(tmp_path):
     model, opt, _ = trained_state()
     path = write_checkpoint(tmp_path / "ckpt-000000005.h5", Snapshot(
-        model=model.state_dict(), optimizer=opt.state_dict(), state=TrainingState(epoch=1, global_step=5),
-        meta={"world_size": 2, "backend": "horovod"}))
+        states={"model": model.state_dict(), "optimizer": opt.state_dict(),
+                "loop": Progress(epoch=1, global_step=5).state_dict()},
+        meta={"step": 5, "world_size": 2, "backend": "horovod", "states": {"model": "module",
+                                                                           "optimizer": "optimizer",
+                                                                           "loop": "stateful"}}))
     (tmp_path / "latest").write_text(path.name)
     result = CliRunner().invoke(cli, ["ckpt", "show", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    assert "global_step  5" in result.output and "backend      horovod" in result.output
+    assert "step         5" in result.output and "epoch        1" in result.output
+    assert "backend      horovod" in result.output
     assert "inp.weight" in result.output and "checksum     OK" in result.output
     with h5py.File(path, "r+") as f:
         f["model/inp.bias"][0] += 1.0  # silent change of one value
@@ -216,18 +312,18 @@ def tiny_fs(tmp_path):
 
 @pytest.mark.parametrize("precheck", [True, False], ids=["free-space-check", "write-hits-ENOSPC"])
 def test_full_disk_is_reported_as_full_and_keeps_the_previous_checkpoint(tiny_fs, monkeypatch, precheck):
-    import hvdkit.checkpoint as ckmod
+    import hvdkit.fileio as fileio
 
     if not precheck:  # skip the up-front check so that os.write itself gets ENOSPC
-        monkeypatch.setattr(ckmod, "_SPACE_MARGIN", -(1 << 40))
+        monkeypatch.setattr(fileio, "SPACE_MARGIN", -(1 << 40))
     mgr = CheckpointManager(tiny_fs, LocalBackend(BackendConfig()))
     model = build_model("tiny")
-    mgr.save(model, None, None, TrainingState(global_step=1))
+    mgr.save(1, {"model": model})
     first = (tiny_fs / "ckpt-000000001.h5").read_bytes()
     free = shutil.disk_usage(tiny_fs).free
     (tiny_fs / "filler").write_bytes(b"\0" * (free - 8192))  # leave 8 KiB: less than a checkpoint
     with pytest.raises(CheckpointError) as info:
-        mgr.save(model, None, None, TrainingState(global_step=2))
+        mgr.save(2, {"model": model})
     message = str(info.value)
     assert "disk full: checkpoint ckpt-000000002.h5 needs" in message and " free in " in message
     assert "HINT: free space or point --checkpoint-dir elsewhere" in message and "\n" not in message

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from hvdkit.config import BackendConfig, DDPOptions, HorovodOptions, TrainConfig, config_from_dict
@@ -27,10 +29,25 @@ def test_horovod_environment_mapping():
     (lambda: HorovodOptions(fusion_threshold_mb=-1), "fusion_threshold_mb must be >= 0"),
     (lambda: DDPOptions(bucket_cap_mb=0), "bucket_cap_mb must be > 0"),
     (lambda: TrainConfig(model="resnet"), "model 'resnet' is not known"),
-    (lambda: TrainConfig(lr=0), "lr must be > 0"),
+    (lambda: TrainConfig(lr=0), "lr must be a finite number > 0"),
+    (lambda: TrainConfig(lr=float("nan")), "lr must be a finite number > 0, got nan"),
+    (lambda: TrainConfig(model="my model:fn"), "'my model' is not a module name"),
+    (lambda: TrainConfig(model="pkg.mod:"), "is not an import path"),
+    (lambda: TrainConfig(task="regression"), "--task 'regression' is not known"),
+    (lambda: TrainConfig(optimizer="lamb"), "--optimizer 'lamb' is not known"),
+    (lambda: TrainConfig(data="a.h5", dataset="pkg:fn"), "--data and --dataset both"),
+    (lambda: TrainConfig(val_fraction=1.5), "--val-fraction must be in [0, 1), got 1.5"),
+    (lambda: TrainConfig(val_data="v.h5", val_fraction=0.1), "--val-data and --val-fraction both"),
+    (lambda: TrainConfig(eval_every=5), "--eval-every needs validation data"),
+    (lambda: TrainConfig(keep_best="val_loss"), "--keep-best needs --checkpoint-dir"),
+    (lambda: TrainConfig(keep_best="val_loss", checkpoint_dir="c"), "--keep-best val_loss needs validation data"),
+    (lambda: TrainConfig(keep_best="loss:best", checkpoint_dir="c"), "is not METRIC[:min|max]"),
+    (lambda: TrainConfig(clip_grad_norm=-1.0), "clip_grad_norm must be a finite number > 0"),
+    (lambda: TrainConfig(lr_schedule="linear"), "lr_schedule 'linear' is not known"),
+    (lambda: TrainConfig(model_args=["a=1"]), "model_args must be a mapping"),
 ])
 def test_invalid_values(make, match):
-    with pytest.raises(ConfigError, match=match) as info:
+    with pytest.raises(ConfigError, match=re.escape(match)) as info:
         make()
     assert "HINT:" in str(info.value) and "\n" not in str(info.value)
 
@@ -49,3 +66,15 @@ def test_global_batch_division():
         per_rank_batch_size(63, 2, 1, exact=True)
     with pytest.raises(ConfigError, match="smaller than"):
         per_rank_batch_size(3, 4, 1)
+
+
+def test_model_and_optimizer_args_parse_as_yaml_scalars():
+    from hvdkit.factories import format_args, parse_args
+
+    args = parse_args(["num_classes=10", "dropout=0.1", "bias=false", "name=resnet", "betas=[0.9, 0.95]"])
+    assert args == {"num_classes": 10, "dropout": 0.1, "bias": False, "name": "resnet", "betas": [0.9, 0.95]}
+    assert parse_args(format_args(args)) == args  # what --config mappings become on a command line
+    for bad, words in ((["noequals"], "is not KEY=VALUE"), (["1x=2"], "is not a keyword argument name"),
+                       (["a=1", "a=2"], "is given twice")):
+        with pytest.raises(ConfigError, match=words):
+            parse_args(bad)

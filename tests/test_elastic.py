@@ -230,11 +230,11 @@ def test_preemption_max_steps_checkpoints_and_schedule_behave_alike(tmp_path, mo
     kept = sorted({*saved, 4, 8, 11})[-3:]
     assert sorted(p.name for p in ckpts.glob("ckpt-*.h5")) == [f"ckpt-{s:09d}.h5" for s in kept]
     last, reference = read_checkpoint(ckpts / "ckpt-000000011.h5"), uninterrupted_step_11
-    assert last.state.global_step == 11 and last.scheduler["last_epoch"] == 11
-    assert last.scheduler["base_lrs"] == reference.scheduler["base_lrs"]
-    assert last.optimizer["param_groups"][0]["lr"] == reference.optimizer["param_groups"][0]["lr"]
-    for name, tensor in reference.model.items():
-        assert torch.equal(last.model[name], tensor), name
+    assert last["loop"]["global_step"] == 11 and last["scheduler"]["last_epoch"] == 11
+    assert last["scheduler"]["base_lrs"] == reference["scheduler"]["base_lrs"]
+    assert last["optimizer"]["param_groups"][0]["lr"] == reference["optimizer"]["param_groups"][0]["lr"]
+    for name, tensor in reference["model"].items():
+        assert torch.equal(last["model"][name], tensor), name
 
 
 def test_the_stop_file_counts_as_sigusr1(tmp_path):

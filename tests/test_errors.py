@@ -82,7 +82,7 @@ def test_global_batch_that_does_not_divide(kind, backend):
 def test_dataset_smaller_than_batch():
     result = CliRunner().invoke(cli, ["train", "--num-samples", "8", "--batch-size", "16"])
     assert result.exit_code == 1
-    assert "8 samples are fewer than one global batch of 16" in result.output
+    assert "8 training samples are fewer than one global batch of 16" in result.output
 
 
 def test_bad_config_file(tmp_path):

@@ -29,7 +29,7 @@ def checkpoint(tmp_path_factory):
     from hvdkit.models import build_model
 
     d = tmp_path_factory.mktemp("light")
-    write_checkpoint(d / "c.h5", Snapshot(model=build_model("tiny").state_dict()))
+    write_checkpoint(d / "c.h5", Snapshot(states={"model": build_model("tiny").state_dict()}))
     return d
 
 

@@ -61,7 +61,7 @@ def test_nan_stops_at_the_step_and_keeps_the_last_finite_checkpoint(tmp_path, ba
     assert (ckpts / "latest").read_text().strip() == names[-1]
     for name in names:
         snap = read_checkpoint(ckpts / name)
-        assert all(bool(t.isfinite().all()) for t in snap.model.values() if t.is_floating_point())
+        assert all(bool(t.isfinite().all()) for t in snap["model"].values() if t.is_floating_point())
 
 
 @pytest.mark.mp

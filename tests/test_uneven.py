@@ -30,7 +30,7 @@ def _train(argv, cwd) -> str:
 
 def _last_weights(directory) -> dict[str, torch.Tensor]:
     newest = max(directory.glob("ckpt-*.h5"))
-    return read_checkpoint(newest).model
+    return read_checkpoint(newest)["model"]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import os
 import re
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -17,9 +17,26 @@ from ..config import BackendConfig
 from ..environments import usable_cores
 from ..errors import ConfigError
 
-__all__ = ["Backend", "ElasticLoop", "share_node_cores"]
+__all__ = ["Backend", "ElasticLoop", "share_node_cores", "to_cpu", "clip_gradients"]
 
 T = TypeVar("T")
+
+
+def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` over every parameter the optimizer updates; returns the norm before."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def to_cpu(obj: Any) -> Any:
+    """Copy every tensor in a nested structure to CPU (so it pickles without CUDA)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
 
 
 def share_node_cores(hosts: list[str]) -> int:
@@ -114,19 +131,59 @@ class Backend(ABC):
         """The plain module inside whatever ``wrap`` returned (for ``state_dict``)."""
         return model
 
+    def eval_module(self, model: nn.Module) -> nn.Module:
+        """What held-out evaluation runs: the plain module (no gradient hooks, no collective)."""
+        return self.unwrap(model)
+
+    def eval_batches(self, loader: Iterable[Any], shard: Sized) -> Iterator[tuple[Any, int]]:
+        """This rank's evaluation batches with their weight (1 each). A backend whose forward
+        pass is collective overrides this so that every rank runs as many batches."""
+        for batch in loader:
+            yield batch, 1
+
+    # -- state, as checkpoints and elastic commits see it (hvdkit.state) --------------------
+    def module_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The whole model's ``state_dict`` (unwrapped; a sharded backend gathers it)."""
+        return self.unwrap(model).state_dict()
+
+    def load_module_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`module_state_dict` on this rank."""
+        self.unwrap(model).load_state_dict(state)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The whole optimizer's ``state_dict`` (a sharded backend gathers it)."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`optimizer_state_dict` on this rank."""
+        optimizer.load_state_dict(state)
+
+    def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int = 0) -> None:
+        """Collective: every rank takes ``root``'s optimizer state (as one object)."""
+        state = self.broadcast_object(to_cpu(optimizer.state_dict()) if self.rank == root else None, root)
+        if self.rank != root:
+            optimizer.load_state_dict(state)
+
     @contextlib.contextmanager
     def accumulate(self, model: nn.Module, sync: bool) -> Iterator[None]:
         """Context for one micro-batch's backward; ``sync=False`` skips communication."""
         yield
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer,
-                       scaler: torch.amp.GradScaler | None = None) -> None:
-        """Apply the reduced gradients, through ``scaler`` (fp16) when given.
+                       scaler: torch.amp.GradScaler | None = None,
+                       clip_grad_norm: float | None = None) -> None:
+        """Apply the reduced gradients: unscale (fp16 ``scaler``), clip their global norm to
+        ``clip_grad_norm``, step.
 
-        DDP has reduced the (scaled) gradients during backward, so the scaler's
-        usual ``step``/``update`` is right. Horovod overrides this: it reduces
-        inside ``optimizer.step()``, so unscaling must wait for ``synchronize()``.
+        DDP has reduced the (scaled) gradients during backward, so the usual order is right:
+        ``scaler.unscale_``, ``clip_grad_norm_``, ``scaler.step``/``update``. Horovod
+        overrides this: it reduces inside ``optimizer.step()``, so unscaling and clipping must
+        wait for ``synchronize()``.
         """
+        if clip_grad_norm:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            clip_gradients(optimizer, clip_grad_norm)
         if scaler is None:
             optimizer.step()
             return

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..config import BackendConfig
 from ..environments import ClusterEnvironment, detect_environment
 from ..errors import HvdkitError, first_line
-from .base import Backend
+from .base import Backend, to_cpu
 
 T = TypeVar("T")
 
@@ -34,17 +34,6 @@ _BUFFER_SYNC_ARG = (
     else "broadcast_buffers"
 )
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-
-
-def _to_cpu(obj: Any) -> Any:
-    """Copy every tensor in a nested structure to CPU (so it pickles without CUDA)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
 
 
 class DDPBackend(Backend):
@@ -161,10 +150,7 @@ class DDPBackend(Backend):
             for tensor in self.unwrap(model).state_dict().values():
                 dist.broadcast(tensor, src=root)
         if optimizer is not None:
-            state = self.broadcast_object(
-                _to_cpu(optimizer.state_dict()) if self.rank == root else None, root
-            )
-            optimizer.load_state_dict(state)
+            self.broadcast_optimizer(optimizer, root)
 
     def broadcast_object(self, obj: T, root: int = 0) -> T:
         box = [obj if self.rank == root else None]
@@ -174,7 +160,7 @@ class DDPBackend(Backend):
 
     def gather_objects(self, obj: T) -> list[T]:
         out: list[Any] = [None] * self._size
-        dist.all_gather_object(out, _to_cpu(obj))
+        dist.all_gather_object(out, to_cpu(obj))
         return out
 
     def allreduce_(self, tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:

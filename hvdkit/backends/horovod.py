@@ -17,7 +17,7 @@ from torch import nn
 from ..config import BackendConfig
 from ..environments import detect_environment
 from ..errors import BackendUnavailableError, ConfigError, HvdkitError, LauncherEnvError
-from .base import Backend, ElasticLoop
+from .base import Backend, ElasticLoop, clip_gradients
 from .buckets import bucketed_optimizer
 
 T = TypeVar("T")
@@ -204,47 +204,59 @@ class HorovodBackend(Backend):
         return None  # HOROVOD_TIMELINE, set before hvd.init(), writes Horovod's own timeline
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer,
-                       scaler: torch.amp.GradScaler | None = None) -> None:
-        """Horovod's documented AMP order: reduce, then unscale, then step without reducing again.
+                       scaler: torch.amp.GradScaler | None = None,
+                       clip_grad_norm: float | None = None) -> None:
+        """Horovod's documented order: reduce, then unscale and clip, then step without
+        reducing again.
 
-        ``scaler.step()`` alone would unscale the *local* gradients before
-        ``optimizer.step()`` reduces them, and the reduction would then overwrite
-        them with the still-scaled sum: a step ``scale`` times too large, and an
-        inf/NaN check that saw only this rank's gradients.
+        ``scaler.step()`` or ``clip_grad_norm_`` alone would act on the *local* gradients
+        before ``optimizer.step()`` reduces them, and the reduction would then overwrite
+        them: with fp16 a step ``scale`` times too large and an inf/NaN check that saw only
+        this rank's gradients; with clipping, each rank clipping a different norm and the
+        reduced gradient not clipped at all.
         """
-        if scaler is None:
+        if scaler is None and not clip_grad_norm:
             optimizer.step()
             return
         optimizer.synchronize()
-        scaler.unscale_(optimizer)
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if clip_grad_norm:
+            clip_gradients(optimizer, clip_grad_norm)
         with optimizer.skip_synchronize():
-            scaler.step(optimizer)
-        scaler.update()
+            if scaler is not None:
+                scaler.step(optimizer)
+            else:
+                optimizer.step()
+        if scaler is not None:
+            scaler.update()
+
+    def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int = 0) -> None:
+        """``hvd.broadcast_optimizer_state``, tensor by tensor, when ``root`` has state.
+
+        It initialises an *empty* state with a zero-gradient step, which moves weights under
+        weight decay and creates momentum/step entries a single-process run would not have:
+        so it runs only when root really has state (a resume), and the parameters must be
+        broadcast after it (:func:`hvdkit.state.broadcast` orders them so).
+        """
+        root_has_state = self.broadcast_object(
+            bool(optimizer.state_dict()["state"]) if self.rank == root else None, root)
+        if root_has_state:
+            # A rank whose state is empty (a worker that just joined an elastic job)
+            # initialises it inside broadcast_optimizer_state with optimizer.step().
+            # Horovod skips the gradient allreduce there only for its own optimizer
+            # class; without skip_synchronize the bucketed reducer would start bucket
+            # allreduces on that rank alone and deadlock the job (seen on a grow).
+            skip = getattr(optimizer, "skip_synchronize", contextlib.nullcontext)
+            with skip():
+                self.hvd.broadcast_optimizer_state(optimizer, root_rank=root)
 
     def broadcast_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, root: int = 0
     ) -> None:
-        hvd = self.hvd
         if optimizer is not None:
-            # hvd.broadcast_optimizer_state initialises an *empty* state with a
-            # zero-gradient step, which moves weights under weight decay and
-            # creates momentum/step entries a single-process run would not have.
-            # So only broadcast optimizer state when root really has some
-            # (resume), and broadcast parameters afterwards so that any such
-            # step on the receiving ranks is overwritten.
-            root_has_state = self.broadcast_object(
-                bool(optimizer.state_dict()["state"]) if self.rank == root else None, root
-            )
-            if root_has_state:
-                # A rank whose state is empty (a worker that just joined an elastic job)
-                # initialises it inside broadcast_optimizer_state with optimizer.step().
-                # Horovod skips the gradient allreduce there only for its own optimizer
-                # class; without skip_synchronize the bucketed reducer would start bucket
-                # allreduces on that rank alone and deadlock the job (seen on a grow).
-                skip = getattr(optimizer, "skip_synchronize", contextlib.nullcontext)
-                with skip():
-                    hvd.broadcast_optimizer_state(optimizer, root_rank=root)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=root)
+            self.broadcast_optimizer(optimizer, root)
+        self.hvd.broadcast_parameters(self.unwrap(model).state_dict(), root_rank=root)
 
     def reset_collective_names(self) -> None:
         """Restart the name counter; after an elastic reset every rank must agree again."""

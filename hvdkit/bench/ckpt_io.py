@@ -40,7 +40,7 @@ def run_ckpt_io(directory: Path, params_millions: float = 100.0, rounds: int = 3
     h5, pt = directory / "bench-ckpt.h5", directory / "bench-ckpt.pt"
     for _ in range(rounds):
         t0 = time.perf_counter()
-        write_checkpoint(h5, Snapshot(model=state))
+        write_checkpoint(h5, Snapshot(states={"model": state}))
         t1 = time.perf_counter()
         _torch_save(state, pt)
         t2 = time.perf_counter()

@@ -47,6 +47,9 @@ cli.add_command(sweep_group)
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: one line per error; exit 2 for usage, 1 for runtime errors."""
+    from ..log import install_console
+
+    install_console()  # the command is an application: hvdkit's lines go to this console
     try:
         code = cli.main(args=argv, prog_name="hvdkit", standalone_mode=False)
     except click.UsageError as exc:  # click's default adds a Usage: block and a blank line

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import click
 
+from ..config import TrainConfig
 from ..errors import ConfigError
 from ..launch.slurm import array_indices
 
-__all__ = ["check_program", "check_train_args", "check_array_params", "is_program"]
+__all__ = ["check_program", "check_train_args", "check_array_params", "check_import_paths", "is_program"]
 
 # Slurm's own spellings that users type after '--' out of habit: where they belong instead
 SLURM_SPELLINGS = {
@@ -46,7 +47,7 @@ def check_train_args(args: Sequence[str], where: str = "after '--'") -> None:
                 f"HINT: it is a scheduler option: use hvdkit's {SLURM_SPELLINGS[name]} before '--'")
     try:
         ctx = train_command.make_context("hvdkit train", list(args), resilient_parsing=False)
-        build_train_config(ctx.params)
+        check_import_paths(build_train_config(ctx.params))
     except click.NoSuchOption as exc:
         raise click.UsageError(_unknown_option(exc, where)) from None
     except click.UsageError as exc:
@@ -54,6 +55,19 @@ def check_train_args(args: Sequence[str], where: str = "after '--'") -> None:
                                "HINT: see 'hvdkit train --help'") from None
     except ConfigError as exc:
         raise click.UsageError(f"training option {where}: {exc}") from None
+
+
+def check_import_paths(cfg: TrainConfig) -> None:
+    """Models, datasets, tasks and optimizers named by import path exist, and their arguments
+    are ones they take, as far as can be seen without importing them (no torch here)."""
+    from ..factories import check_static, is_import_path
+
+    for value, args, what, skip in ((cfg.model, cfg.model_args, "--model", 0),
+                                    (cfg.dataset, cfg.dataset_args, "--dataset", 0),
+                                    (cfg.task, {}, "--task", 0),
+                                    (cfg.optimizer, {"lr": cfg.lr, **cfg.optimizer_args}, "--optimizer", 1)):
+        if value and is_import_path(value):
+            check_static(value, args, what=what, skip=skip)
 
 
 def _unknown_option(exc: click.NoSuchOption, where: str) -> str:

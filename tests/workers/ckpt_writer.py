@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from hvdkit import BackendConfig, CheckpointManager, TrainingState, create_backend
+from hvdkit import BackendConfig, CheckpointManager, create_backend
 
 backend = create_backend(BackendConfig(name=sys.argv[1]))
 directory, mode = sys.argv[2], sys.argv[3]
@@ -22,11 +22,11 @@ if mode == "save":
         with torch.no_grad():
             for p in backend.unwrap(model).parameters():
                 p.fill_(step)
-        mgr.save(model, opt, None, TrainingState(global_step=step))
+        mgr.save(step, {"model": model, "optimizer": opt})
         if backend.is_master:
             print(f"saved {step}", flush=True)
 else:
-    state = mgr.restore(model, opt)
+    restored = mgr.restore({"model": model, "optimizer": opt})
     value = next(backend.unwrap(model).parameters()).flatten()[0].item()
-    print(f"rank {backend.rank} restored step {state.global_step} value {value}", flush=True)
+    print(f"rank {backend.rank} restored step {restored.step} value {value}", flush=True)
 backend.shutdown()

@@ -1,0 +1,225 @@
+"""Collective checkpoints of a states dict: rank 0 writes and reads, every rank takes part.
+
+::
+
+    ckpt = CheckpointManager("ckpt", backend, keep=3, keep_best="val_loss:min")
+    states = {"model": model, "optimizer": optimizer, "sampler": sampler, "step": 0}
+    restored = ckpt.restore(states)          # newest valid file, loaded in place on every rank
+    ...
+    ckpt.save(step, states, metrics={"val_loss": 0.41})
+
+Each call ends in a broadcast of rank 0's outcome, which doubles as the barrier: no rank
+runs ahead of a checkpoint being written, and if rank 0 fails every rank raises the same
+:class:`CheckpointError` (no deadlock). A ``latest`` file names the newest checkpoint; the
+oldest beyond ``keep`` are removed, except the best one when ``keep_best`` names a metric
+(its record is the JSON file ``best``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import state as states_mod
+from ..config import parse_keep_best
+from ..errors import CheckpointError, ConfigError, first_line
+from ..fileio import write_json_atomic, write_text_atomic
+from ..log import diag, warn
+from .fileformat import Snapshot, checkpoint_name, read_checkpoint, step_of, write_checkpoint
+from .rng import capture_rng, restore_rng
+
+__all__ = ["CheckpointManager", "Restored", "parse_keep_best", "nonfinite_tensor"]
+
+
+def nonfinite_tensor(tree: Any, prefix: str = "") -> str | None:
+    """Name of the first floating-point tensor holding NaN or inf in a state dict, or ``None``."""
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return prefix if tree.is_floating_point() and not bool(torch.isfinite(tree).all()) else None
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            found = nonfinite_tensor(v, f"{prefix}.{k}" if prefix else str(k))
+            if found:
+                return found
+    return None
+
+
+@dataclass
+class Restored:
+    """What :meth:`CheckpointManager.restore` loaded."""
+
+    path: Path
+    step: int
+    world_size: int | None
+    metrics: dict[str, float] = field(default_factory=dict)
+    remainder: dict[str, Any] = field(default_factory=dict)  # saved states the dict did not name
+
+
+class CheckpointManager:
+    """Rank-0 HDF5 checkpoints of any states dict, in ``directory``; collective calls."""
+
+    def __init__(self, directory: str | os.PathLike[str], backend: Any, keep: int = 3,
+                 keep_best: str | None = None) -> None:
+        if keep < 1:
+            raise ConfigError("keep must be >= 1", "keep at least one checkpoint")
+        self.directory, self.backend, self.keep = Path(directory), backend, keep
+        self.best_metric = parse_keep_best(keep_best)
+
+    # -- files (rank 0) -------------------------------------------------------------------
+    def checkpoints(self) -> list[Path]:
+        """Checkpoint files, newest step first."""
+        if not self.directory.is_dir():
+            return []
+        found = [p for p in self.directory.iterdir() if step_of(p) is not None]
+        return sorted(found, key=lambda p: step_of(p) or 0, reverse=True)
+
+    def path_for(self, step: int) -> Path:
+        return self.directory / checkpoint_name(step)
+
+    def best(self) -> dict[str, Any] | None:
+        """The record of the best checkpoint so far (``file``, ``step``, ``metric``, ``mode``, ``value``)."""
+        try:
+            record = json.loads((self.directory / "best").read_text())
+        except (OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) and "file" in record else None
+
+    def _candidates(self) -> list[Path]:
+        ordered = self.checkpoints()
+        try:
+            named = self.directory / (self.directory / "latest").read_text().strip()
+        except (OSError, UnicodeDecodeError, ValueError):
+            named = None  # no pointer, or a damaged one: newest step first is the fallback
+        if named is not None and named in ordered:
+            ordered.remove(named)
+            ordered.insert(0, named)
+        return ordered
+
+    def _prune(self) -> None:
+        best = self.best()
+        keep_also = {best["file"]} if best else set()
+        for old in self.checkpoints()[self.keep:]:
+            if old.name not in keep_also:
+                old.unlink(missing_ok=True)
+        for stale in self.directory.glob(".ckpt-*.tmp*"):
+            stale.unlink(missing_ok=True)
+
+    def _record_best(self, path: Path, step: int, metrics: dict[str, float]) -> None:
+        if self.best_metric is None:
+            return
+        metric, mode = self.best_metric
+        value = metrics.get(metric)
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            return
+        best = self.best()
+        if best is not None and best.get("metric") == metric and (self.directory / best["file"]).is_file():
+            if (value >= best["value"]) if mode == "min" else (value <= best["value"]):
+                return
+        write_json_atomic(self.directory / "best", {"file": path.name, "step": step, "metric": metric,
+                                                    "mode": mode, "value": value})
+
+    def find_latest_valid(self) -> tuple[Path, Snapshot] | None:
+        """Newest checkpoint that verifies, warning about (and skipping) corrupt ones."""
+        for path in self._candidates():
+            try:
+                return path, read_checkpoint(path, verify=True)
+            except CheckpointError as exc:
+                warn(f"skipping {path.name}: {exc.message}; trying the previous checkpoint")
+        return None
+
+    # -- collectives ----------------------------------------------------------------------
+    def _agree(self, outcome: tuple[bool, Any] | None) -> Any:
+        ok, value = self.backend.broadcast_object(outcome, 0)
+        if not ok:  # value is (message, hint) from rank 0's exception
+            err = CheckpointError(f"rank 0 could not handle the checkpoint: {value[0]}", value[1])
+            err.echo = self.backend.is_master  # every rank raises it; one prints it
+            raise err
+        return value
+
+    @staticmethod
+    def _failure(exc: Exception) -> tuple[bool, tuple[str, str]]:
+        if isinstance(exc, CheckpointError):
+            return False, (exc.message, exc.hint or "")
+        return False, (f"{type(exc).__name__}: {first_line(exc)}",
+                       "check the checkpoint directory (free space, permissions)")
+
+    def save(self, step: int, states: dict[str, Any], metrics: dict[str, float] | None = None,
+             skip_nonfinite: bool = False) -> Path | None:
+        """Collective: capture ``states`` and every rank's RNG; rank 0 writes ``ckpt-<step>.h5``.
+
+        Module weights holding NaN/inf are never written: that raises :class:`CheckpointError`,
+        or with ``skip_nonfinite`` logs one warning and returns ``None``. Either way the
+        older checkpoints stay (nothing is pruned).
+        """
+        rng = self.backend.gather_objects(capture_rng())
+        captured = states_mod.capture(states, self.backend)  # collective for sharded modules
+        kinds = states_mod.kinds(states)
+        outcome: tuple[bool, Any] | None = None
+        if self.backend.is_master:
+            try:
+                bad = next((f"{key}: {name}" for key in captured if kinds[key] == "module"
+                            for name in [nonfinite_tensor(captured[key])] if name), None)
+                if bad is not None and skip_nonfinite:
+                    warn(f"not saving step {step}: parameter {bad} holds NaN/inf; the previous "
+                         "checkpoints are kept")
+                    outcome = (True, None)
+                elif bad is not None:
+                    raise CheckpointError(
+                        f"not saving step {step}: parameter {bad} holds NaN/inf; the previous "
+                        "checkpoints are kept",
+                        "lower --lr or check the data; resume restarts from the last finite one")
+                else:
+                    snap = Snapshot(states=captured, rng=rng, meta={
+                        "step": step, "world_size": self.backend.size, "backend": self.backend.name,
+                        "states": kinds, "metrics": dict(metrics or {})})
+                    path = write_checkpoint(self.path_for(step), snap)
+                    write_text_atomic(self.directory / "latest", path.name + "\n")
+                    self._record_best(path, step, dict(metrics or {}))
+                    self._prune()
+                    outcome = (True, str(path))
+            except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
+                outcome = self._failure(exc)
+        written = self._agree(outcome)
+        return Path(written) if written is not None else None
+
+    def restore(self, states: dict[str, Any], path: str | os.PathLike[str] | None = None,
+                strict: bool = True) -> Restored | None:
+        """Collective: rank 0 reads the newest valid checkpoint (or ``path``); every rank loads it.
+
+        Rank 0 loads the file into ``states``, then every rank takes rank 0's states
+        (:func:`hvdkit.state.broadcast`); with no checkpoint, rank 0's *fresh* states are
+        broadcast, so every rank starts from the same weights either way. Each rank's RNG is
+        restored when the world size is the one saved. Returns ``None`` for a fresh start.
+        """
+        outcome: tuple[bool, Any] | None = None
+        if self.backend.is_master:
+            try:
+                if path is not None:
+                    found: tuple[Path, Snapshot] | None = (Path(path), read_checkpoint(path))
+                else:
+                    found = self.find_latest_valid()
+                if found is None:
+                    outcome = (True, None)
+                else:
+                    where, snap = found
+                    remainder = states_mod.apply(states, snap.states, self.backend, strict=strict)
+                    outcome = (True, {"path": str(where), "step": snap.step, "rng": snap.rng,
+                                      "world_size": snap.meta.get("world_size"),
+                                      "metrics": snap.metrics, "remainder": remainder})
+            except Exception as exc:  # noqa: BLE001
+                outcome = self._failure(exc)
+        info = self._agree(outcome)
+        states_mod.broadcast(states, self.backend, root=0)
+        if info is None:
+            return None
+        if info["world_size"] == self.backend.size and len(info["rng"]) == self.backend.size:
+            restore_rng(info["rng"][self.backend.rank])
+        if self.backend.is_master:
+            diag(f"resumed from {info['path']} (step {info['step']})")
+        return Restored(path=Path(info["path"]), step=int(info["step"]), world_size=info["world_size"],
+                        metrics=info["metrics"], remainder=info["remainder"])

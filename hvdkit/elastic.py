@@ -1,0 +1,93 @@
+"""Elastic training's state protocol over a run's states dict: commit, roll back, sync.
+
+Horovod Elastic keeps going when workers are lost or added: every ``--commit-every`` steps
+the state is copied to host memory (a *commit*); a collective that fails (a worker died)
+rolls every survivor back to its last commit; after the world is re-formed every rank takes
+the newest state any rank holds (a *sync*) and training goes on. :class:`ElasticMemory` does
+this for any loop through :func:`hvdkit.state.capture`/``apply``/``broadcast``, the same
+serialisation the checkpoint files use; the loop itself only says what its states are and
+what to do around a load (:class:`Resumable`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any, Protocol
+
+from . import state as states_mod
+from .log import debug
+
+if TYPE_CHECKING:
+    from .backends.base import Backend
+
+__all__ = ["Resumable", "ElasticMemory"]
+
+
+class Resumable(Protocol):
+    """What a training loop tells :class:`ElasticMemory`."""
+
+    @property
+    def states(self) -> dict[str, Any]:
+        """The states committed, rolled back and synced."""
+
+    @property
+    def step(self) -> int:
+        """The optimizer step the states are at."""
+
+    def before_capture(self) -> None:
+        """Collective: put anything kept elsewhere (device loss sums) into the states."""
+
+    def start_fresh(self) -> None:
+        """Collective: no rank holds a commit: restore the newest checkpoint, or take rank 0's
+        fresh states."""
+
+    def loaded(self, rolled_back_from: int | None) -> None:
+        """After states were loaded: by a roll-back from step ``rolled_back_from``, or (None) a sync."""
+
+    def on_reset(self) -> None:
+        """The world changed (called before :meth:`ElasticMemory.sync`)."""
+
+
+class ElasticMemory:
+    """Host-memory commits of a :class:`Resumable` loop; the ``ElasticLoop`` a backend runs."""
+
+    def __init__(self, backend: Backend, loop: Resumable) -> None:
+        self.backend, self.loop = backend, loop
+        self.memory: tuple[int, dict[str, Any]] | None = None
+
+    def commit_to_memory(self) -> None:
+        """Copy the states to host memory (what a roll-back returns to)."""
+        self.loop.before_capture()
+        self.memory = (self.loop.step, states_mod.capture(self.loop.states, self.backend, copy_=True))
+
+    def roll_back(self) -> None:
+        """After a collective failed: back to the last commit; later steps are redone."""
+        if self.memory is None:  # failed before the first commit: the next sync starts afresh
+            return
+        lost = self.loop.step
+        # a deep copy: load_state_dict may keep the tensors it is given, and training would
+        # then change the commit a second roll-back returns to
+        states_mod.apply(self.loop.states, copy.deepcopy(self.memory[1]), self.backend)
+        self.loop.loaded(rolled_back_from=lost)
+
+    def sync(self) -> None:
+        """Collective: every rank takes the newest state any rank holds.
+
+        At the start of a job no rank holds any: the loop starts fresh (a checkpoint, or rank
+        0's weights). After a reset the survivors hold their last commit and a new worker
+        holds nothing; the state comes from the lowest rank with the newest commit (not
+        blindly rank 0, which may be the newcomer).
+        """
+        held = self.backend.gather_objects(self.memory[0] if self.memory is not None else -1)
+        newest = max(held)
+        if newest < 0:
+            self.loop.start_fresh()
+        else:
+            src = held.index(newest)
+            debug(f"sync: state of step {newest} from rank {src} (steps held: {held})")
+            states_mod.broadcast(self.loop.states, self.backend, root=src)
+        self.loop.loaded(rolled_back_from=None)
+        self.commit_to_memory()
+
+    def on_reset(self) -> None:
+        self.loop.on_reset()
