@@ -35,14 +35,19 @@ class Resumable(Protocol):
         """The optimizer step the states are at."""
 
     def before_capture(self) -> None:
-        """Collective: put anything kept elsewhere (device loss sums) into the states."""
+        """Local: put anything kept elsewhere (a running loss on the device) into the states."""
+
+    def pending(self) -> float:
+        """This rank's running value that a sync must account for (the loss since the last fold)."""
 
     def start_fresh(self) -> None:
         """Collective: no rank holds a commit: restore the newest checkpoint, or take rank 0's
         fresh states."""
 
-    def loaded(self, rolled_back_from: int | None) -> None:
-        """After states were loaded: by a roll-back from step ``rolled_back_from``, or (None) a sync."""
+    def loaded(self, rolled_back_from: int | None = None, held: list[tuple[int, float]] | None = None) -> None:
+        """After states were loaded: by a roll-back from step ``rolled_back_from``, by a sync
+        (``held``: every rank's commit step, -1 for none, and :meth:`pending` before it), or
+        by a fresh start (neither)."""
 
     def on_reset(self) -> None:
         """The world changed (called before :meth:`ElasticMemory.sync`)."""
@@ -56,7 +61,9 @@ class ElasticMemory:
         self.memory: tuple[int, dict[str, Any]] | None = None
 
     def commit_to_memory(self) -> None:
-        """Copy the states to host memory (what a roll-back returns to)."""
+        """Copy the states to host memory (what a roll-back returns to). Local: Horovod runs it
+        before its own check for host changes, and a commit that talked to a dead peer
+        would be lost."""
         self.loop.before_capture()
         self.memory = (self.loop.step, states_mod.capture(self.loop.states, self.backend, copy_=True))
 
@@ -78,15 +85,18 @@ class ElasticMemory:
         holds nothing; the state comes from the lowest rank with the newest commit (not
         blindly rank 0, which may be the newcomer).
         """
-        held = self.backend.gather_objects(self.memory[0] if self.memory is not None else -1)
-        newest = max(held)
+        held = self.backend.gather_objects((self.memory[0] if self.memory is not None else -1,
+                                            self.loop.pending()))
+        steps = [step for step, _ in held]
+        newest = max(steps)
         if newest < 0:
             self.loop.start_fresh()
+            self.loop.loaded()
         else:
-            src = held.index(newest)
-            debug(f"sync: state of step {newest} from rank {src} (steps held: {held})")
+            src = steps.index(newest)
+            debug(f"sync: state of step {newest} from rank {src} (steps held: {steps})")
             states_mod.broadcast(self.loop.states, self.backend, root=src)
-        self.loop.loaded(rolled_back_from=None)
+            self.loop.loaded(held=held)
         self.commit_to_memory()
 
     def on_reset(self) -> None:

@@ -24,11 +24,12 @@ class Progress:
     samples_in_epoch: int = 0      # global samples of this epoch's order already trained on
     steps_in_epoch: int = 0
     # The epoch's training loss is the mean of its step losses: the sum folded over ranks at
-    # every commit (loss_committed), plus each rank's running sum since (loss_sums, one per
-    # rank, gathered when the state is captured; a rank resumes its own when the world is
-    # the same size, the mean of them otherwise).
+    # every commit (loss_committed), plus each rank's running sum since: gathered into
+    # loss_sums for a checkpoint (a rank resumes its own when the world is the same size,
+    # the mean of them otherwise), this rank's alone in loss_pending for an elastic commit.
     loss_committed: float = 0.0
-    loss_sums: list[float] = field(default_factory=list)
+    loss_sums: list[float] = field(default_factory=list)  # every rank's, at a checkpoint
+    loss_pending: float = 0.0  # this rank's own, at an elastic commit (kept in its memory only)
     history: list[dict[str, Any]] = field(default_factory=list)  # one record per finished epoch
     last_eval: dict[str, float] = field(default_factory=dict)    # the newest validation metrics
 

@@ -250,8 +250,11 @@ class _Run:
 
     # -- the Resumable protocol (hvdkit.elastic), also used by a plain run's start ----------
     def before_capture(self) -> None:
-        """Collective: every rank's running loss goes into the loop state."""
-        self.progress.loss_sums = self.backend.gather_objects(float(self.loss_sum))
+        """This rank's running loss goes into the loop state (local: a commit must not talk)."""
+        self.progress.loss_pending = float(self.loss_sum)
+
+    def pending(self) -> float:
+        return float(self.loss_sum)
 
     def start_fresh(self) -> None:
         """Collective: the newest valid checkpoint, or rank 0's fresh weights, on every rank."""
@@ -261,17 +264,36 @@ class _Run:
         if restored is not None:
             self.saved_step, self.saved_name = restored.step, restored.path.name
 
-    def loaded(self, rolled_back_from: int | None) -> None:
-        """After a restore, a sync or a roll-back: what lives outside the states follows them."""
-        p = self.progress
-        self.loss_sum.fill_(p.loss_sum_for(self.backend.rank, self.backend.size))
+    def loaded(self, rolled_back_from: int | None = None,
+               held: list[tuple[int, float]] | None = None) -> None:
+        """After a restore, a sync or a roll-back: what lives outside the states follows them.
+
+        The running loss: after a roll-back this rank's own at the commit; after an elastic sync
+        (``held``: every rank's commit step and running loss before it) its own when every rank
+        held the newest commit, else the holders' sums are folded into the epoch's loss (a
+        newcomer has none); after a restore from disk, this rank's saved sum (their mean when
+        the world size changed).
+        """
+        p, rank = self.progress, self.backend.rank
         self.result.history = p.history
         if rolled_back_from is not None:
+            self.loss_sum.fill_(p.loss_pending)
             if self.samples is not None:
                 self.samples.discard()
             if rolled_back_from > p.global_step:
                 self.replay = f"; steps {p.global_step + 1}..{rolled_back_from} are done again"
-        elif self.samples is not None:
+            return
+        if held is not None:
+            newest = max(step for step, _ in held)
+            if all(step == newest for step, _ in held):
+                self.loss_sum.fill_(held[rank][1])
+            else:
+                holders = [v for step, v in held if step == newest]
+                p.loss_committed += sum(holders) / len(holders)
+                self.loss_sum.zero_()
+        else:
+            self.loss_sum.fill_(p.loss_sum_for(rank, self.backend.size))
+        if self.samples is not None:
             self.samples.truncate(p.global_step)  # records of steps run again go
 
     def on_reset(self) -> None:
@@ -289,6 +311,7 @@ class _Run:
         if self.ckpt is None or self.saved_step == self.step:
             return
         self.before_capture()
+        self.progress.loss_sums = self.backend.gather_objects(float(self.loss_sum))
         path = self.ckpt.save(self.step, self.states, metrics=self._metrics_now(),
                               skip_nonfinite=self.watch.mode == "warn")
         self.saved_step = self.step
@@ -391,12 +414,15 @@ def _check_data(run: _Run) -> None:
             problems.append(f"{name} data does not fit --model {run.cfg.model}: the first batch raised "
                             f"{type(exc).__name__}: {first_line(exc)} HINT: check the data's sample "
                             "shape and dtype against what the model takes")
-    found = run.backend.gather_objects(problems[0] if problems else None)
+    if run.cfg.elastic:  # a newcomer checks while the others train: no collective, each rank says it
+        found = problems[:1]
+    else:
+        found = run.backend.gather_objects(problems[0] if problems else None)
     first = next((p for p in found if p), None)
     if first is not None:
         message, _, hint = first.partition(" HINT: ")
         err = HvdkitError(message, hint or None)
-        err.echo = run.master
+        err.echo = run.master or run.cfg.elastic
         raise err
 
 
@@ -454,7 +480,7 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
                 raise
         else:
             run.start_fresh()
-            run.loaded(rolled_back_from=None)
+            run.loaded()
             _loop(run, preemption)
     except Preempted as stop:
         result.preempted, result.status = True, "preempted"
