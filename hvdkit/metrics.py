@@ -95,6 +95,7 @@ def evaluate(backend: Backend, model: torch.nn.Module, dataset: Dataset, task: T
     """
     from .precision import autocast
 
+    backend.sync_buffers(model)  # rank 0's BatchNorm statistics: one model is evaluated
     plain = backend.eval_module(model)
     was_training = plain.training
     plain.eval()

@@ -79,9 +79,13 @@ class TrainResult:
     topology: dict = field(default_factory=dict)
     status: str = "completed"  # or "pruned" (ASHA stopped it), "preempted"
     asha: list[dict] = field(default_factory=list)  # the rung decisions, with their numbers
+    partial_loss: float | None = None  # stopped mid-epoch (--max-steps): that epoch's loss so far
 
     @property
     def final_loss(self) -> float:
+        """The loss of the last epoch trained (of its steps so far when the run stopped in it)."""
+        if self.partial_loss is not None:
+            return self.partial_loss
         return self.epoch_losses[-1] if self.epoch_losses else float("nan")
 
 
@@ -494,11 +498,10 @@ def _loop(run: _Run, preemption: Preemption) -> None:
     """The epochs from wherever ``run.progress`` says; re-entered after an elastic reset."""
     cfg, backend = run.cfg, run.backend
     _enter(run)
-    done = cfg.max_steps is not None and run.step >= cfg.max_steps
     # --timeline: Horovod writes its own (set at init); other backends take a profiler trace here
     timeline = backend.profiler_trace_path(cfg.backend.horovod.timeline)
     with preemption, step_profiler(timeline, run.master) as profiler:
-        while not done and run.progress.epoch < cfg.epochs:
+        while not _at_limit(run) and run.progress.epoch < cfg.epochs:
             p = run.progress
             sampler = ShardSampler(len(run.train_data), backend.size, backend.rank,  # type: ignore[arg-type]
                                    seed=cfg.seed, uneven=cfg.uneven)
@@ -507,11 +510,20 @@ def _loop(run: _Run, preemption: Preemption) -> None:
                 run.train_data.epoch = p.epoch
             first_sample, t0 = p.samples_in_epoch, time.perf_counter()
             if _one_epoch(run, sampler, preemption, profiler):
-                return  # at --max-steps: saved and reported
+                # at --max-steps mid-epoch: evaluated and saved; its loss so far is the final one
+                run.result.partial_loss = (p.loss_committed + backend.allreduce_metric(run.loss_sum)) / \
+                    max(p.steps_in_epoch, 1)
+                break
             if not _end_epoch(run, p.samples_in_epoch - first_sample, time.perf_counter() - t0):
                 break  # ASHA pruned this trial
+    if _at_limit(run) and run.master:
+        run.log(f"stopped at max_steps={cfg.max_steps}{'; checkpoint saved' if run.ckpt else ''}")
     run.result.global_step = run.step
     _report_done(run)
+
+
+def _at_limit(run: _Run) -> bool:
+    return run.cfg.max_steps is not None and run.step >= run.cfg.max_steps
 
 
 @dataclass(frozen=True)
@@ -541,8 +553,8 @@ def _epoch_plan(run: _Run, sampler: ShardSampler) -> list[_Step]:
 
 def _one_epoch(run: _Run, sampler: ShardSampler, preemption: Preemption,
                profiler: Any) -> bool:
-    """The steps of the epoch from ``progress.samples_in_epoch``; True when the run ends here
-    (``--max-steps``). A preemption raises :class:`Preempted` after its checkpoint."""
+    """The steps of the epoch from ``progress.samples_in_epoch``; True when the run ends before the
+    epoch does (``--max-steps``). A preemption raises :class:`Preempted` after its checkpoint."""
     cfg, backend, geo = run.cfg, run.backend, run.geo
     loader = DataLoader(run.train_data, batch_size=geo.batch, sampler=sampler, drop_last=not cfg.uneven,
                         num_workers=cfg.num_workers, pin_memory=backend.device.type == "cuda")
@@ -577,9 +589,11 @@ def _one_epoch(run: _Run, sampler: ShardSampler, preemption: Preemption,
             if agreement is None:
                 continue
             stop, nonfinite = agreement()  # the same answers on every rank
-            limit = cfg.max_steps is not None and run.step >= cfg.max_steps
             more = k + 1 < len(plan)  # the epoch's last step is evaluated and saved at its end
+            limit = _at_limit(run) and more
             if more and cfg.eval_every and run.step % cfg.eval_every == 0 and not (stop or limit):
+                _evaluate(run, say=True)
+            if limit:  # the run ends here: its final held-out metrics, saved with it
                 _evaluate(run, say=True)
             periodic = bool(cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0 and more)
             wants_save = bool(run.ckpt and (stop or limit or periodic))
@@ -588,9 +602,6 @@ def _one_epoch(run: _Run, sampler: ShardSampler, preemption: Preemption,
                 run.save()
             preemption.check(run.step, agreed=stop)  # saved above; requeues and raises if stop
             if limit:
-                if run.master:
-                    run.log(f"stopped at max_steps={cfg.max_steps}{'; checkpoint saved' if run.ckpt else ''}")
-                run.result.global_step = run.step
                 return True
             if more and run.step % cfg.commit_every == 0:
                 run.commit()
@@ -685,6 +696,7 @@ def _asha_rung(run: _Run, record: dict[str, Any]) -> bool:
 def _report_done(run: _Run) -> None:
     """Check that every rank holds the same weights, print the summary, write metrics."""
     backend, result, cfg = run.backend, run.result, run.cfg
+    backend.sync_buffers(run.model)  # rank 0's BatchNorm statistics, as the checkpoint holds
     digests = backend.gather_objects(param_digest(backend.unwrap(run.model)))
     result.param_digest = digests[0]
     result.history = run.progress.history

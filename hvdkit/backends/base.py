@@ -131,6 +131,16 @@ class Backend(ABC):
         """The plain module inside whatever ``wrap`` returned (for ``state_dict``)."""
         return model
 
+    def sync_buffers(self, model: nn.Module, root: int = 0) -> None:
+        """Every rank takes ``root``'s buffers (BatchNorm running statistics).
+
+        Training never syncs them (Horovod) or syncs them only at the start of each forward
+        pass (DDP's ``broadcast_buffers``), so after a step they differ by rank. They matter
+        only in eval mode: evaluation and the checkpoint use rank 0's, as DDP would.
+        """
+        for buffer in self.unwrap(model).buffers():
+            buffer.copy_(self.broadcast_object(buffer.detach().cpu() if self.rank == root else None, root))
+
     def eval_module(self, model: nn.Module) -> nn.Module:
         """What held-out evaluation runs: the plain module (no gradient hooks, no collective)."""
         return self.unwrap(model)

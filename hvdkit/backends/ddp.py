@@ -152,6 +152,11 @@ class DDPBackend(Backend):
         if optimizer is not None:
             self.broadcast_optimizer(optimizer, root)
 
+    def sync_buffers(self, model: nn.Module, root: int = 0) -> None:
+        with torch.no_grad():
+            for buffer in self.unwrap(model).buffers():
+                dist.broadcast(buffer, src=root)
+
     def broadcast_object(self, obj: T, root: int = 0) -> T:
         box = [obj if self.rank == root else None]
         dev = self.device if self.pg_backend == "nccl" else None

@@ -258,6 +258,11 @@ class HorovodBackend(Backend):
             self.broadcast_optimizer(optimizer, root)
         self.hvd.broadcast_parameters(self.unwrap(model).state_dict(), root_rank=root)
 
+    def sync_buffers(self, model: nn.Module, root: int = 0) -> None:
+        buffers = {name: b for name, b in self.unwrap(model).named_buffers()}
+        if buffers:
+            self.hvd.broadcast_parameters(buffers, root_rank=root)
+
     def reset_collective_names(self) -> None:
         """Restart the name counter; after an elastic reset every rank must agree again."""
         self._calls = 0

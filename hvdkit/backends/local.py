@@ -40,6 +40,9 @@ class LocalBackend(Backend):
     ) -> None:
         return None
 
+    def sync_buffers(self, model: nn.Module, root: int = 0) -> None:
+        return None
+
     def broadcast_object(self, obj: T, root: int = 0) -> T:
         return copy.deepcopy(obj)
 
