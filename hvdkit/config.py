@@ -200,6 +200,7 @@ class TrainConfig:
     warmup_epochs: float = 0.0
     lr_schedule: str = "constant"  # after the warm-up: constant, cosine (to min_lr_ratio x lr), step
     min_lr_ratio: float = 0.0
+    lr_decay_steps: int | None = None  # cosine's length in steps [default: the run's, max_steps if given]
     lr_step_epochs: float = 1.0   # step schedule: multiply by lr_gamma every this many epochs
     lr_gamma: float = 0.1
     momentum: float = 0.9
@@ -240,7 +241,8 @@ class TrainConfig:
 
     @property
     def has_validation(self) -> bool:
-        return bool(self.val_data) or self.val_fraction > 0
+        """Validation data is named (a --dataset factory may bring its own: checked at set-up)."""
+        return bool(self.val_data) or self.val_fraction > 0 or bool(self.dataset)
 
     def __post_init__(self) -> None:
         _builtin_or_path("--model", self.model, MODEL_NAMES)
@@ -289,7 +291,7 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "num_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", f"raise {name}")
-        for name in ("global_batch_size", "max_steps", "steps_per_epoch", "eval_batch_size"):
+        for name in ("global_batch_size", "max_steps", "steps_per_epoch", "eval_batch_size", "lr_decay_steps"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}", "raise it or omit it")

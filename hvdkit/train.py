@@ -358,6 +358,13 @@ def _set_up(cfg: TrainConfig, backend: Backend, log: Callable[[str], None], resu
     except HvdkitError as err:
         err.echo = backend.is_master  # every rank reads the same data and fails the same way
         raise
+    wants_val = [flag for flag, on in (("--eval-every", cfg.eval_every),
+                                       ("--keep-best", (cfg.keep_best or "").startswith("val_"))) if on]
+    if val_data is None and wants_val:
+        err = ConfigError(f"{wants_val[0]} needs validation data, and --dataset {cfg.dataset} gave none",
+                          "return (train, val) from the factory, or add --val-fraction F")
+        err.echo = backend.is_master
+        raise err
     samples = SampleLog(cfg.sample_log, backend) if cfg.sample_log else None
     if samples is not None:
         train_data = samples.watch(train_data)
@@ -449,7 +456,9 @@ def _enter(run: _Run) -> None:
     plan = run.plan
     plan.scale = float(size * accum) if cfg.scale_lr else 1.0
     plan.warmup_steps = int(cfg.warmup_epochs * geo.steps_per_epoch)
-    plan.total_steps = cfg.max_steps or cfg.epochs * geo.steps_per_epoch
+    # cosine's horizon: the run's length (stopping early with --max-steps and resuming later
+    # without it changes the schedule; --lr-decay-steps pins it, as nanoGPT's lr_decay_iters)
+    plan.total_steps = cfg.lr_decay_steps or min(cfg.max_steps or 1 << 62, cfg.epochs * geo.steps_per_epoch)
     plan.step_every = max(1, round(cfg.lr_step_epochs * geo.steps_per_epoch))
     # the LR of the *current* world, also after a restore from a checkpoint of another size
     run.scheduler.base_lrs = [cfg.lr * plan.scale for _ in run.optimizer.param_groups]

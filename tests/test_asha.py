@@ -72,16 +72,16 @@ def test_a_requeued_trial_reuses_its_recorded_decision(tmp_path):
     assert again["reused"] is True and again["go_on"] is False and again["value"] == 3.0
 
 
-def _replay_and_check(out: Path, budget: int) -> dict:
+def _replay_and_check(out: Path, budget: int, mode: str = "min") -> dict:
     """Every decision equals the rule on its recorded numbers; pruned trials stopped there."""
     rows = {r["trial"]: r for r in json.loads((out / "results.json").read_text())}
     decisions = [json.loads(p.read_text()) for p in sorted((out / "asha" / "decisions").glob("*.json"))]
     assert decisions
     for d in decisions:
         seen = {int(k): float(v) for k, v in d["seen"].items()}
-        again = decide(seen, d["trial"], d["epoch"], 3, "min")
+        again = decide(seen, d["trial"], d["epoch"], 3, mode)
         assert (again.go_on, again.keep, again.position) == (d["go_on"], d["keep"], d["position"]), d
-        assert rows[d["trial"]]["curve"][d["epoch"] - 1] == d["value"]  # the value is that epoch's loss
+        assert rows[d["trial"]]["curve"][d["epoch"] - 1] == d["value"]  # the value is that epoch's metric
     for trial, row in rows.items():
         mine = [d for d in decisions if d["trial"] == trial]
         if row["status"] == "pruned":
@@ -92,17 +92,17 @@ def _replay_and_check(out: Path, budget: int) -> dict:
     return rows
 
 
-SPACE = """metric: final_loss
-mode: min
-fixed: {{model: tiny, epochs: {epochs}, num_samples: 512, batch_size: 16}}
+SPACE = """metric: {metric}
+mode: {mode}
+fixed: {{model: tiny, epochs: {epochs}, num_samples: 640, batch_size: 16, val_fraction: 0.2}}
 grid: {{lr: {lrs}}}
 scheduler: asha
 """
 
 
-def _space(tmp_path: Path, lrs: list[float], epochs: int) -> Path:
+def _space(tmp_path: Path, lrs: list[float], epochs: int, metric: str = "val_loss", mode: str = "min") -> Path:
     space = tmp_path / "space.yaml"
-    space.write_text(SPACE.format(epochs=epochs, lrs=lrs))
+    space.write_text(SPACE.format(epochs=epochs, lrs=lrs, metric=metric, mode=mode))
     return space
 
 
@@ -125,22 +125,23 @@ def test_local_asha_sweep_prunes_by_the_rule(tmp_path):
 @pytest.mark.timeout(420)
 def test_slurm_array_asha_sweep_of_nine_two_rank_trials(tmp_path):
     lrs = [0.06, 0.001, 0.25, 0.004, 0.002, 0.03, 0.008, 0.12, 0.016]
-    space, out = _space(tmp_path, lrs, 9), tmp_path / "out"
+    space, out = _space(tmp_path, lrs, 9, "val_accuracy", "max"), tmp_path / "out"
     proc = subprocess.run([*HVDKIT, "sweep", str(space), "--out", str(out), "--slurm", "--venv", sys.prefix,
                            "--backend", "ddp", "--np", "2", "--max-parallel", "3", "--time", "5:00"],
                           env=base_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "(9 array tasks)" in proc.stdout and "--array=0-8%3" in (out / "sweep.sbatch").read_text()
-    rows = _replay_and_check(out, 9)
+    rows = _replay_and_check(out, 9, "max")
     pruned = [r for r in rows.values() if r["status"] == "pruned"]
     assert pruned, rows
     used = sum(r["epochs"] for r in rows.values())
     assert f"trial-epochs used: {used} of 81" in proc.stdout and used < 81
-    # the best trial's final loss is what the same trial reaches alone, without ASHA
-    best = min((r for r in rows.values() if r["status"] == "completed"), key=lambda r: r["final_loss"])
+    # the best trial (highest held-out accuracy) is what the same trial reaches alone, without ASHA
+    best = max((r for r in rows.values() if r["status"] == "completed"), key=lambda r: r["val_accuracy"])
+    assert f"best: trial {best['trial']} val_accuracy=" in proc.stdout
     alone = tmp_path / "alone.json"
     subprocess.run([sys.executable, "-m", "hvdkit", "run", "-np", "2", "--backend", "ddp", "--", "--model",
-                    "tiny", "--epochs", "9", "--num-samples", "512", "--batch-size", "16", "--lr",
-                    repr(best["params"]["lr"]), "--metrics-file", str(alone)],
+                    "tiny", "--epochs", "9", "--num-samples", "640", "--batch-size", "16", "--val-fraction", "0.2",
+                    "--lr", repr(best["params"]["lr"]), "--metrics-file", str(alone)],
                    env=base_env(), check=True, capture_output=True, timeout=200)
-    assert json.loads(alone.read_text())["final_loss"] == best["final_loss"]
+    assert json.loads(alone.read_text())["val_accuracy"] == best["val_accuracy"]

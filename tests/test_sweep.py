@@ -32,6 +32,11 @@ def test_grid_random_and_args(tmp_path):
         "--lr", "0.5", "--batch-size", "8", "--no-scale-lr"]
     with pytest.raises(ConfigError, match="exactly one of 'grid' or 'random'"):
         SweepSpec()
+    with pytest.raises(ConfigError, match="metric val_loss needs validation data in every trial"):
+        SweepSpec(metric="val_loss", grid={"lr": [0.1]})
+    with pytest.raises(ConfigError, match="metric 'accuracy' is not one training reports"):
+        SweepSpec(metric="accuracy", grid={"lr": [0.1]})
+    SweepSpec(metric="val_accuracy", mode="max", fixed={"val_fraction": 0.1}, grid={"lr": [0.1]})
     bad = tmp_path / "s.yaml"
     bad.write_text("grid: {lr: [1]}\nsearch: x\n")
     with pytest.raises(ConfigError, match="unknown key"):

@@ -136,6 +136,8 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
            "--lr-step-epochs).")
 @_opt("--min-lr-ratio", type=click.FloatRange(min=0, max=1), default=TRAIN["min_lr_ratio"],
       help="Cosine: the final LR as a fraction of the LR.")
+@_opt("--lr-decay-steps", type=click.IntRange(min=1), default=None,
+      help="Cosine: decay over this many steps [default: the run's length, --max-steps if given].")
 @_opt("--lr-step-epochs", type=click.FloatRange(min=0, min_open=True), default=TRAIN["lr_step_epochs"])
 @_opt("--lr-gamma", type=click.FloatRange(min=0, min_open=True), default=TRAIN["lr_gamma"])
 @_opt("--momentum", type=float, default=TRAIN["momentum"], help="SGD momentum.")
