@@ -17,6 +17,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from .launch.vocabulary import CONSOLE_TTY_VAR
+
 if TYPE_CHECKING:
     import torch
 
@@ -25,8 +27,6 @@ if TYPE_CHECKING:
 __all__ = ["Observers", "ProgressRelay", "PROGRESS_TAG", "CONSOLE_TTY_VAR"]
 
 PROGRESS_TAG = "[hvdkit-progress]"
-# hvdkit run sets this for the ranks when its own console is a terminal
-CONSOLE_TTY_VAR = "HVDKIT_CONSOLE_TTY"
 _EVENT_EVERY_S = 0.2
 
 

@@ -16,8 +16,10 @@ def test_custom_loop_same_losses_on_both_backends():
     script = str(ROOT / "examples" / "custom_loop.py")
     hvd = check(launch("hvd-gloo", 2, [PY, script, "--backend", "horovod"]))
     ddp = check(launch("mpirun", 2, [PY, script, "--backend", "ddp"]))
-    losses = [re.findall(r"epoch \d loss (\S+) \(2 ranks", out) for out in (hvd, ddp)]
-    assert len(losses[0]) == 2 and losses[0] == losses[1]
+    losses = [re.findall(r"epoch \d val_loss (\S+) val_accuracy \S+ \(2 ranks", out) for out in (hvd, ddp)]
+    assert len(losses[0]) == 3 and losses[0] == losses[1]
+    digests = [re.search(r"done: step 48 digest (\w+)", out).group(1) for out in (hvd, ddp)]
+    assert digests[0] == digests[1]
 
 
 @pytest.mark.mp

@@ -10,6 +10,7 @@ from .. import __version__
 from .bench_cmd import bench_command
 from .ckpt_cmd import ckpt_group, data_group
 from .doctor_cmd import doctor_command
+from .plot_cmd import plot_command
 from .run_cmd import run_command
 from .slurm_cmd import slurm_command
 from .sweep_cmd import sweep_group
@@ -43,6 +44,7 @@ cli.add_command(data_group)
 cli.add_command(doctor_command)
 cli.add_command(bench_command)
 cli.add_command(sweep_group)
+cli.add_command(plot_command)
 
 
 def main(argv: list[str] | None = None) -> None:

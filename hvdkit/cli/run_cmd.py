@@ -26,7 +26,7 @@ from ..launch.local import (
     training_program,
 )
 from ..launch.output import run_with_log
-from ..launch.vocabulary import IFACE_VAR, check_iface_name
+from ..launch.vocabulary import CONSOLE_TTY_VAR, IFACE_VAR, check_iface_name
 from .common import config_option, translate_errors
 from .validate import check_program, check_train_args, is_program
 
@@ -140,7 +140,10 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
         raise click.UsageError("--elastic needs --host-discovery-script (write one with --write-discovery-script)")
     if iface:  # the launcher itself talks over it too: catch a wrong name before anything starts
         check_network_interface({IFACE_VAR: check_iface_name(iface)})
+    # a terminal here: hvdkit train's ranks send their progress, and this process draws it as a bar
+    tty = sys.stderr.isatty() and not is_program(args) and not (dry_run or write_script)
     spec = LocalLaunch(np=np, launcher=chosen, controller=controller, hosts=hosts,
+                       env={CONSOLE_TTY_VAR: "1"} if tty else {},
                        oversubscribe=oversubscribe, iface=iface,
                        min_np=(min_np or 1) if elastic else None, max_np=(max_np or np) if elastic else None,
                        discovery_script=host_discovery_script if elastic else None,
@@ -166,7 +169,7 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
         return
     argv[0] = resolve_launcher(argv[0])
     try:
-        outcome = run_with_log(argv, {**os.environ, **env}, log_dir=log_dir)
+        outcome = run_with_log(argv, {**os.environ, **env}, log_dir=log_dir, progress=tty)
     except FileNotFoundError:
         raise click.ClickException(
             f"{argv[0]} not found. HINT: run ./scripts/setup.sh (installs Open MPI and Horovod) "

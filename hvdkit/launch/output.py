@@ -97,11 +97,16 @@ class RunOutcome:
 
 
 def run_with_log(argv: Sequence[str], env: Mapping[str, str], log_dir: str | None = None,
-                 out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) -> RunOutcome:
+                 out: IO[str] = sys.stdout, err: IO[str] = sys.stderr, progress: bool = False) -> RunOutcome:
     """Run ``argv``; filtered lines to ``out``/``err``, everything to a log file.
 
-    The log is kept when the job fails and removed when it succeeds.
+    With ``progress`` rank 0's ``[hvdkit-progress]`` lines become a progress bar on ``err``
+    (hvdkit.observe.ProgressRelay) instead of lines. The log is kept when the job fails and
+    removed when it succeeds.
     """
+    from ..observe import ProgressRelay
+
+    relay = ProgressRelay() if progress else None
     handle = tempfile.NamedTemporaryFile("w", prefix="hvdkit-run-", suffix=".log", dir=log_dir,
                                          delete=False)
     log = Path(handle.name)
@@ -113,13 +118,18 @@ def run_with_log(argv: Sequence[str], env: Mapping[str, str], log_dir: str | Non
     def pump(stream: IO[str], sink: IO[str]) -> None:
         for line in stream:
             with lock:
+                if relay is not None and relay.feed(line):
+                    continue  # drawn as the bar; not a line of the log
                 handle.write(line)
                 shown = keep(line)
                 if shown is not None:
                     # horovodrun tags say which stream a worker used; honour them
                     target = err if "<stderr>:" in shown[:16] else sink
-                    target.write(shown)
-                    target.flush()
+                    if relay is not None:
+                        relay.write(shown, target)
+                    else:
+                        target.write(shown)
+                        target.flush()
 
     threads = [threading.Thread(target=pump, args=(proc.stdout, out), daemon=True),
                threading.Thread(target=pump, args=(proc.stderr, err), daemon=True)]
@@ -132,6 +142,8 @@ def run_with_log(argv: Sequence[str], env: Mapping[str, str], log_dir: str | Non
         code = proc.wait()
     for t in threads:
         t.join()
+    if relay is not None:
+        relay.close()
     handle.close()
     if code == 0:
         log.unlink(missing_ok=True)

@@ -16,7 +16,7 @@ from ..errors import ConfigError
 
 __all__ = [
     "MPIRUN_BASE", "FORWARDED_VARS", "IFACE_VAR", "iface_env", "check_iface_name",
-    "root_mpi_env", "ROOT_MPI_VARS", "MPI_DEFAULTS", "mpi_env", "ELASTIC_LAUNCHER",
+    "root_mpi_env", "ROOT_MPI_VARS", "MPI_DEFAULTS", "mpi_env", "ELASTIC_LAUNCHER", "CONSOLE_TTY_VAR",
 ]
 
 # Horovod Elastic's driver (--min-np/--max-np, host discovery) exists only in horovodrun.
@@ -48,6 +48,10 @@ FORWARDED_VARS = (
     "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE",
     "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", IFACE_VAR,
 )
+
+# hvdkit run sets this for the ranks when its own console is a terminal: rank 0 then sends
+# progress lines for hvdkit run to draw as a bar (hvdkit.observe)
+CONSOLE_TTY_VAR = "HVDKIT_CONSOLE_TTY"
 
 _IFACE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")
 

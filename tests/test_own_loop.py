@@ -1,0 +1,179 @@
+"""Your own loop keeps every guarantee, and training shows what people expect to see.
+
+* examples/custom_loop.py, preempted with SIGUSR1 in a real Slurm job, checkpoints, requeues and
+  resumes to the same weights as an uninterrupted run, on both backends.
+* hvdkit as a library leaves the application's logging alone.
+* TensorBoard event files read back by tensorboard's own reader; a progress bar on a terminal
+  (a pseudo-terminal here) and none in a batch log; ``hvdkit plot`` draws a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import fcntl
+import pty
+import re
+import select
+import struct
+import subprocess
+import termios
+import time
+
+import pytest
+
+from helpers import HVDKIT, PY, ROOT, base_env, check, job_state, launch, read_metrics, render, sbatch, wait_done
+
+LOOP = str(ROOT / "examples" / "custom_loop.py")
+KINDS = {"horovod": "hvd-gloo", "ddp": "mpirun"}
+
+
+def _done(text: str) -> tuple[int, str]:
+    m = re.search(r"done: step (\d+) digest (\w+)", text)
+    assert m, text[-3000:]
+    return int(m.group(1)), m.group(2)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("backend", ["horovod", "ddp"])
+def test_custom_loop_preempted_in_slurm_checkpoints_requeues_and_resumes_exactly(tmp_path, backend):
+    straight = check(launch(KINDS[backend], 2, [PY, LOOP, "--backend", backend, "--checkpoint-dir",
+                                                str(tmp_path / "ref")], timeout=240))
+    script = render(tmp_path, "loop", "--backend", backend, "--tasks-per-node", "2", "--",
+                    "python", LOOP, "--backend", backend, "--checkpoint-dir", str(tmp_path / "ck"))
+    job = sbatch(script, tmp_path)
+    log = tmp_path / f"loop-{job}.out"
+    deadline = time.time() + 180
+    while "epoch 0 val_loss" not in (log.read_text() if log.exists() else ""):
+        assert time.time() < deadline and job_state(job) in ("PENDING", "RUNNING"), "job never trained"
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=30)
+    assert wait_done(job, timeout=300, kick_requeued=True) == "COMPLETED"
+    text = log.read_text()
+    step = int(re.search(r"preempted at step (\d+) by SIGUSR1; checkpoint saved; requeued Slurm job", text).group(1))
+    assert "restart 1" in text and re.search(rf"resumed from \S+ckpt-{step:09d}\.h5 \(step {step}\)", text), text
+    assert _done(text) == _done(straight)  # the same steps and the same weights, bit for bit
+
+
+def test_hvdkit_as_a_library_leaves_the_applications_logging_alone(tmp_path):
+    """No handler on the root logger, propagation kept: hvdkit's records reach the app's handler."""
+    code = f"""
+import logging, torch
+records = []
+class Keep(logging.Handler):
+    def emit(self, record): records.append((record.name, record.getMessage()))
+app = Keep()
+logging.basicConfig(level=logging.INFO, handlers=[app])
+root_before = list(logging.getLogger().handlers)
+import hvdkit
+from hvdkit import BackendConfig, CheckpointManager, LocalBackend, build_model
+backend = LocalBackend(BackendConfig(name="local"))
+model = build_model("tiny")
+ckpt = CheckpointManager({str(tmp_path)!r}, backend)
+ckpt.save(1, {{"model": model}})
+(open({str(tmp_path / 'ckpt-000000001.h5')!r}, "r+b")).truncate(100)
+ckpt.restore({{"model": model}})
+lib = logging.getLogger("hvdkit")
+assert logging.getLogger().handlers == root_before, logging.getLogger().handlers
+assert lib.propagate and logging.getLogger("hvdkit.result").propagate
+assert all(isinstance(h, logging.NullHandler) for h in lib.handlers), lib.handlers
+assert any(n == "hvdkit" and "skipping ckpt-000000001.h5" in m for n, m in records), records
+print("OK", len(records))
+"""
+    proc = subprocess.run([PY, "-c", code], env=base_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr
+    assert proc.stderr == ""  # nothing printed behind the application's back
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(200)
+def test_tensorboard_events_read_back_with_tensorboards_own_reader(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = tmp_path / "tb"
+    check(launch("mpirun", 2, [*HVDKIT, "train", "--backend", "ddp", "--model", "tiny", "--epochs", "3",
+                               "--num-samples", "640", "--batch-size", "16", "--val-fraction", "0.2",
+                               "--eval-every", "5", "--tensorboard", str(board),
+                               "--metrics-file", str(tmp_path / "m.json")]))
+    events = list(board.glob("events.out.tfevents.*"))
+    assert len(events) == 1, events  # rank 0 alone writes
+    acc = EventAccumulator(str(board))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/epoch_loss", "train/samples_per_sec", "val/loss",
+            "val/accuracy"} <= tags, tags
+    m = read_metrics(tmp_path / "m.json")
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, m["global_step"] + 1))  # 16 a epoch
+    assert [e.step for e in acc.Scalars("train/epoch_loss")] == [16, 32, 48]
+    val_steps = [e.step for e in acc.Scalars("val/loss")]
+    assert val_steps == [5, 10, 15, 16, 20, 25, 30, 32, 35, 40, 45, 48]  # every 5th step and each epoch end
+    assert acc.Scalars("val/loss")[-1].value == pytest.approx(m["val_loss"], rel=1e-6)
+    assert [round(e.value, 4) for e in acc.Scalars("train/epoch_loss")] == [round(r["loss"], 4) for r in m["history"]]
+
+
+def _in_pty(argv: list[str], timeout: float = 120) -> str:
+    """Run argv with a pseudo-terminal as stdin/stdout/stderr (what a person's shell gives it)."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: exec the command on the terminal
+        os.execvpe(argv[0], argv, base_env())
+    # a terminal has a size (a fresh pseudo-terminal's is 0x0, and tqdm draws 0 columns into it)
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    out, deadline = b"", time.time() + timeout
+    try:
+        while time.time() < deadline:
+            ready = select.select([fd], [], [], 1.0)[0]
+            if not ready:
+                continue
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # the terminal closed: the child exited
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+        _, status = os.waitpid(pid, 0)
+    assert time.time() < deadline, out.decode(errors="replace")[-2000:]
+    assert os.waitstatus_to_exitcode(status) in (0, -9), out.decode(errors="replace")[-2000:]
+    return out.decode(errors="replace")
+
+
+BAR = re.compile(r"epoch \d+:\s+\d+%\|")  # tqdm: "epoch 0:  45%|####      | 9/20 [...]"
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(300)
+def test_a_progress_bar_on_a_terminal_and_plain_lines_in_a_batch_log(tmp_path):
+    train = ["--model", "mlp", "--epochs", "2", "--num-samples", "1280", "--batch-size", "16"]
+    alone = _in_pty([*HVDKIT, "train", "--backend", "local", *train])
+    assert BAR.search(alone) and "step/s" in alone, alone[-2000:]
+    # hvdkit run on a terminal: the ranks' output is a pipe; rank 0 sends progress, hvdkit run draws it
+    ranks = _in_pty([*HVDKIT, "run", "-np", "2", "--backend", "ddp", "--", *train])
+    assert BAR.search(ranks) and "[hvdkit-progress]" not in ranks, ranks[-2000:]
+    assert "done: backend=ddp world=2" in ranks
+    # no terminal (a batch log, a pipe): the usual lines only
+    piped = subprocess.run([*HVDKIT, "run", "-np", "2", "--backend", "ddp", "--", *train], env=base_env(),
+                           capture_output=True, text=True, timeout=200)
+    assert piped.returncode == 0 and "done: backend=ddp" in piped.stdout
+    assert not BAR.search(piped.stdout + piped.stderr) and "[hvdkit-progress]" not in piped.stdout
+    assert "\r" not in piped.stdout + piped.stderr
+
+
+def test_hvdkit_plot_draws_the_curves_of_several_runs(tmp_path):
+    for name, shift in (("a", 0.0), ("b", 0.3)):
+        history = [{"epoch": e, "step": 10 * (e + 1), "loss": 2.0 / (e + 1) + shift, "val_loss": 2.2 / (e + 1) + shift,
+                    "val_accuracy": 0.5 + 0.1 * e - shift / 3, "samples_per_sec": 100.0} for e in range(4)]
+        (tmp_path / f"{name}.json").write_text(json.dumps({"history": history, "backend": "ddp", "world_size": 2}))
+    out = tmp_path / "curves.png"
+    proc = subprocess.run([*HVDKIT, "plot", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "-o", str(out)],
+                          env=base_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    bad = subprocess.run([*HVDKIT, "plot", str(tmp_path / "nope.json")], env=base_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 1 and bad.stderr.startswith("Error: cannot read") and len(bad.stderr.splitlines()) == 1
