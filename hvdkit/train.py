@@ -517,13 +517,14 @@ def _loop(run: _Run, preemption: Preemption) -> None:
             sampler.set_epoch(p.epoch, start=p.samples_in_epoch)
             if isinstance(run.train_data, SampleSeeded):
                 run.train_data.epoch = p.epoch
-            first_sample, t0 = p.samples_in_epoch, time.perf_counter()
+            first_sample, t0, waited = p.samples_in_epoch, time.perf_counter(), backend.comm_wait
             if _one_epoch(run, sampler, preemption, profiler):
                 # at --max-steps mid-epoch: evaluated and saved; its loss so far is the final one
                 run.result.partial_loss = (p.loss_committed + backend.allreduce_metric(run.loss_sum)) / \
                     max(p.steps_in_epoch, 1)
                 break
-            if not _end_epoch(run, p.samples_in_epoch - first_sample, time.perf_counter() - t0):
+            if not _end_epoch(run, p.samples_in_epoch - first_sample, time.perf_counter() - t0,
+                              backend.comm_wait - waited):
                 break  # ASHA pruned this trial
     if _at_limit(run) and run.master:
         run.log(f"stopped at max_steps={cfg.max_steps}{'; checkpoint saved' if run.ckpt else ''}")
@@ -646,25 +647,31 @@ def _evaluate(run: _Run, say: bool = False) -> dict[str, float]:
     return metrics
 
 
-def _end_epoch(run: _Run, samples_here: int, seconds: float) -> bool:
+def _end_epoch(run: _Run, samples_here: int, seconds: float, waited: float) -> bool:
     """Epoch loss and throughput, held-out metrics, the non-finite check, ASHA's rung, the epoch
-    checkpoint and commit. Returns False when ASHA pruned the trial."""
+    checkpoint and commit. Returns False when ASHA pruned the trial.
+
+    ``waited``: seconds this rank waited for reduced gradients in the epoch; their share of
+    the epoch, averaged over ranks, is how much communication compute did not hide.
+    """
     backend, p = run.backend, run.progress
     epoch = p.epoch
     # Throughput of the slowest rank is the job's throughput.
     slowest = backend.allreduce_metric(seconds, op="max")
     sps = samples_here / slowest if slowest > 0 else float("nan")
+    comm = backend.allreduce_metric(waited / seconds if seconds > 0 else 0.0) if backend.size > 1 else 0.0
     epoch_loss = (p.loss_committed + backend.allreduce_metric(run.loss_sum)) / max(p.steps_in_epoch, 1)
     if run.samples is not None:  # while the state still says which epoch they belong to
         run.samples.record(epoch, run.step)
     val = _evaluate(run)
     record: dict[str, Any] = {"epoch": epoch, "step": run.step, "loss": epoch_loss, "samples_per_sec": sps,
-                              **{f"val_{k}": v for k, v in val.items()}}
+                              "comm_wait": comm, **{f"val_{k}": v for k, v in val.items()}}
     p.history.append(record)
     run.result.history = p.history
     if run.master:
         shown = "".join(f" val_{k} {v:.6g}" for k, v in val.items() if k != "count")
-        run.log(f"epoch {epoch} loss {epoch_loss:.6f}{shown} samples/s {sps:.1f} ({backend.size} ranks)")
+        run.log(f"epoch {epoch} loss {epoch_loss:.6f}{shown} samples/s {sps:.1f} comm wait {comm:.0%} "
+                f"({backend.size} ranks)")
     run.observers.epoch(run, record)
     run.check_nonfinite(not run.watch.warned and run.watch.check_now(), before_save=False)
     p.epoch, p.samples_in_epoch = epoch + 1, 0

@@ -16,3 +16,87 @@ if ! grep -q 'gloo_iface_ = global_context.gloo_iface_;' "$GLOO_CTX"; then
   sed -i '/^void GlooContext::InitializeForProcessSet/,/CreateDevice/ s/device_attr.iface = gloo_iface_;/gloo_iface_ = global_context.gloo_iface_;\n  device_attr.iface = gloo_iface_;/' "$GLOO_CTX"
 fi
 grep -q 'gloo_iface_ = global_context.gloo_iface_;' "$GLOO_CTX"
+# Horovod 0.28.1: hvd.synchronize() (WaitAndClear) waits for a handle by spinning: poll,
+# release the GIL, std::this_thread::yield(), again. The training thread then competes for
+# the CPU with Horovod's own background thread and Gloo's I/O thread, the very threads doing
+# the work it waits for: measured on 2 cores, 2 ranks, 118,000 sched_yield calls per second
+# per rank under the Gloo controller, and a 16 MB allreduce 35% slower than with the wait
+# asleep. Wait on a condition variable that MarkDone signals instead (Horovod's shutdown
+# marks every pending handle done, so a waiter always wakes).
+python3 - "$SRC" <<'PYEOF'
+import sys
+from pathlib import Path
+
+src = Path(sys.argv[1]) / "horovod" / "torch"
+h, cc, ops = src / "handle_manager.h", src / "handle_manager.cc", src / "mpi_ops_v2.cc"
+text = h.read_text()
+if "WaitHandle" not in text:
+    text = text.replace("#include <atomic>\n", "#include <atomic>\n#include <condition_variable>\n")
+    text = text.replace("  bool PollHandle(int handle);\n", "  bool PollHandle(int handle);\n  void WaitHandle(int handle);\n")
+    text = text.replace("  std::mutex mutex_;\n", "  std::mutex mutex_;\n  std::condition_variable done_;\n")
+    h.write_text(text)
+text = cc.read_text()
+if "WaitHandle" not in text:
+    text = text.replace(
+        "  results_[handle] = std::make_shared<Status>(status);\n}\n",
+        "  results_[handle] = std::make_shared<Status>(status);\n  done_.notify_all();\n}\n\n"
+        "void HandleManager::WaitHandle(int handle) {\n"
+        "  std::unique_lock<std::mutex> lock(mutex_);\n"
+        "  done_.wait(lock, [&] {\n"
+        "    auto it = results_.find(handle);\n"
+        "    if (it == results_.end()) {\n"
+        "      throw std::invalid_argument(\"Handle \" + std::to_string(handle) +\n"
+        "                                  \" was not created or has been cleared.\");\n"
+        "    }\n"
+        "    return it->second != nullptr;\n"
+        "  });\n"
+        "}\n")
+    text = text.replace("  results_.clear();\n  last_handle_ = 0;\n",
+                        "  results_.clear();\n  last_handle_ = 0;\n  done_.notify_all();\n")
+    cc.write_text(text)
+text = ops.read_text()
+old = ("  while (true) {\n    if (handle_manager.PollHandle(handle)) break;\n    {\n"
+       "      py::gil_scoped_release release_python_gil;\n      std::this_thread::yield();\n    }\n  }\n")
+new = ("  {\n    py::gil_scoped_release release_python_gil;\n    handle_manager.WaitHandle(handle);\n  }\n")
+if old in text:
+    ops.write_text(text.replace(old, new))
+for path, mark in ((h, "WaitHandle"), (cc, "done_.notify_all();"), (ops, "handle_manager.WaitHandle(handle);")):
+    if mark not in path.read_text():
+        sys.exit(f"patch_horovod.sh: the wait patch did not apply to {path}")
+PYEOF
+# Gloo (Horovod 0.28.1's copy, and upstream's still): the TCP loop thread handles a pair's
+# epoll events only if it can take the pair's lock at once, and otherwise returns straight
+# into a level-triggered epoll_wait, which reports the same event again immediately. While
+# Horovod's background thread holds the lock (posting buffers, writing a bucket into the
+# socket) the loop thread spins: measured 282,000-453,000 epoll_wait calls per second per rank
+# under horovodrun's Gloo controller, against 22,000 for DDP on the same transport, on cores
+# the training needs. Back off 50 us before returning. Same-run rounds (mlp, 2 ranks, 2 cores):
+# 1.03-1.33x the throughput of the build without it (median 1.24x).
+python3 - "$SRC" <<'PYEOF'
+import sys
+from pathlib import Path
+
+pair = Path(sys.argv[1]) / "third_party" / "gloo" / "gloo" / "transport" / "tcp" / "pair.cc"
+text = pair.read_text()
+old = """  std::unique_lock<std::mutex> lock(m_, std::try_to_lock);
+  if (!lock) {
+    return;
+  }
+"""
+new = """  std::unique_lock<std::mutex> lock(m_, std::try_to_lock);
+  if (!lock) {
+    // hvdkit patch: back off instead of spinning in a level-triggered epoll_wait
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    return;
+  }
+"""
+if "hvdkit patch: back off" not in text:
+    if old not in text:
+        sys.exit(f"patch_horovod.sh: the Gloo back-off patch did not apply to {pair}")
+    text = text.replace(old, new, 1)
+    if "#include <thread>" not in text:
+        text = text.replace("#include <sstream>", "#include <sstream>\n#include <thread>", 1)
+    pair.write_text(text)
+if "#include <thread>" not in pair.read_text():
+    sys.exit(f"patch_horovod.sh: no <thread> include in {pair}")
+PYEOF

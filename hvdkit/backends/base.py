@@ -79,6 +79,9 @@ class Backend(ABC):
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
         self._aborted = False
+        # Seconds this process's training thread has waited for reduced gradients: the part of
+        # communication that compute did not hide (the loop reports it per epoch as a share).
+        self.comm_wait = 0.0
 
     # -- identity ---------------------------------------------------------------
     @property

@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import gc
 import inspect
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -78,6 +79,7 @@ class DDPBackend(Backend):
                     "ranks were started (raise --ddp-timeout to wait longer)",
                 ) from None
         self._owns_group = True
+        self._last_gradient: float | None = None
         atexit.register(self.shutdown)  # a script that forgets shutdown() must not abort at exit
         self.limit_cpu_threads()
 
@@ -117,7 +119,15 @@ class DDPBackend(Backend):
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        # The time of the last local gradient: DDP's reducer waits for its buckets at the end
+        # of backward, so the exposed communication is from then until backward returns.
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._gradient_ready)
         return ddp, optimizer
+
+    def _gradient_ready(self, _param: torch.Tensor) -> None:
+        self._last_gradient = time.perf_counter()
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
@@ -137,8 +147,13 @@ class DDPBackend(Backend):
 
     @contextlib.contextmanager
     def accumulate(self, model: nn.Module, sync: bool) -> Iterator[None]:
-        if sync or not isinstance(model, DistributedDataParallel):
+        if not isinstance(model, DistributedDataParallel):
             yield
+        elif sync:
+            self._last_gradient = None
+            yield
+            if self._last_gradient is not None:  # backward ran: it returned once reduced
+                self.comm_wait += time.perf_counter() - self._last_gradient
         else:
             with model.no_sync():
                 yield

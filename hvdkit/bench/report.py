@@ -28,6 +28,25 @@ def render_tables(rep: Any) -> str:
         out.append(f"Cross-node: ranks on {', '.join(hosts)}. If these are scripts/local-cluster.sh nodes, "
                    "the 'network' is veth pairs between namespaces on ONE host (kernel memory copies, "
                    "no NIC): read it as the cost of TCP and of leaving shared memory, not of a fabric.")
+    if "paths" in s:
+        p = s["paths"]
+        out += ["", "### The launch paths users run, through the training loop (2 ranks; rotated rounds)",
+                f"step ms: median [IQR] over {p['rounds']} rounds x {p['epochs'] - 1} measured epochs of "
+                f"{p['steps']} steps; (x DDP) with a bootstrap 95% CI over rounds; floor = the same training, "
+                f"no communication, processes sharing the cores. 'horovod default' is `hvdkit run --backend "
+                f"horovod` (controller chosen: {p['default_controller']})."]
+        headers = ["model", "floor ms", *p["paths"]]
+        rows = []
+        for r in p["rows"]:
+            cells = [r["model"], f"{r['floor_s'] * 1e3:.1f}"]
+            for path in p["paths"]:
+                x = r["paths"][path]
+                point, lo, hi = x["over_ddp"]
+                cells.append(f"{x['median_s'] * 1e3:.1f} [{x['p25_s'] * 1e3:.1f}-{x['p75_s'] * 1e3:.1f}] "
+                             f"({point:.2f}x DDP [{lo:.2f}, {hi:.2f}]; {x['over_floor']:.2f}x floor)")
+            rows.append(cells)
+        out.append(_table(headers, rows))
+        out += [f"* {note}" for note in p["notes"]]
     if "reducer" in s:
         def ms(r: dict, v: str) -> str:
             x = r[v]
@@ -131,6 +150,26 @@ def render_plots(rep: Any, out: Path) -> list[Path]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
+
+    if "paths" in s:
+        p = s["paths"]
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(p["rows"]) * len(p["paths"]) / 3), 4))
+        width = 0.8 / len(p["paths"])
+        for k, path in enumerate(p["paths"]):
+            xs = [i + (k - (len(p["paths"]) - 1) / 2) * width for i in range(len(p["rows"]))]
+            points = [r["paths"][path]["over_ddp"] for r in p["rows"]]
+            ax.bar(xs, [x[0] for x in points], width, label=path,
+                   yerr=[[x[0] - x[1] for x in points], [x[2] - x[0] for x in points]], capsize=2)
+        for i, r in enumerate(p["rows"]):  # the floor, as a share of DDP's step time
+            ddp = r["paths"]["mpirun ddp"]["median_s"]
+            ax.plot([i - 0.45, i + 0.45], [r["floor_s"] / ddp] * 2, "k--", lw=1)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(range(len(p["rows"])), [r["model"] for r in p["rows"]])
+        ax.set_ylabel("step time / DDP's (lower is faster)")
+        ax.set_title("launch paths, 2 ranks (dashed: no-communication floor; bars: 95% CI over rounds)",
+                     fontsize=9)
+        ax.legend(fontsize=7, ncol=2)
+        save(fig, "paths")
 
     if "ab" in s:
         fig, ax = plt.subplots(figsize=(6, 4))

@@ -26,10 +26,11 @@ from ..errors import HvdkitError
 from ..launch.local import LocalLaunch, build_local_command
 from ..models import build_model
 from .costmodel import fit_alpha_beta, predict_scaling
+from .paths import PATHS, exp_paths
 from ..fileio import write_json_atomic as write_json
 from .stats import environment, ratio_ci, summarize
 
-EXPERIMENTS = ("reducer", "ab", "fusion", "scaling", "allreduce", "ckpt", "overhead", "model")
+EXPERIMENTS = ("paths", "reducer", "ab", "fusion", "scaling", "allreduce", "ckpt", "overhead", "model")
 MB = 1 << 20
 
 
@@ -62,13 +63,22 @@ class BenchConfig:
     reducer_steps: int = 50       # timed steps per block; x reducer_rounds per variant
     reducer_rounds: int = 6
     reducer_bucket_mb: float = 25.0
+    # the launch paths (hvdkit.bench.paths): each one as users start it, through the loop
+    paths: tuple[str, ...] = ("horovod default", "horovodrun gloo", "horovodrun mpi", "mpirun horovod",
+                              "mpirun ddp", "srun horovod", "srun ddp")
+    path_models: tuple[str, ...] = ("mlp", "cnn", "gpt", "resnet18")
+    path_rounds: int = 3
+    path_epochs: int = 3          # the first is start-up: the rest are measured
+    path_steps: int = 15
+    slurm: bool = False           # also the srun paths, on the cluster this node submits to
     timeout_s: float = 900.0
 
     @classmethod
     def quick(cls, **overrides: Any) -> BenchConfig:
-        """The headline figures in under a minute on 2 cores: the reducer comparison with its
-        floor, and allreduce bandwidth up to 16 MB (``--only`` adds the rest, smaller)."""
-        base = dict(only=("reducer", "allreduce"), steps=20, rounds=2,
+        """The headline figure in under a minute on 2 cores: what ``hvdkit run --backend horovod``
+        trains at against DDP and the floor, on the mlp (``--only`` adds the rest, smaller)."""
+        base = dict(only=("paths",), paths=("horovod default", "mpirun ddp"), path_models=("mlp",),
+                    path_rounds=2, path_epochs=3, path_steps=10, steps=20, rounds=2,
                     sizes=tuple(4096 * 4**i for i in range(7)), reps_small=10, reps_large=3,
                     ckpt_params_m=100.0, ckpt_rounds=2, overhead_rounds=2, overhead_epochs=3,
                     overhead_samples=1024, reducer_steps=20, reducer_rounds=3)
@@ -352,7 +362,7 @@ def exp_model(cfg: BenchConfig, rep: Report) -> None:
 
 RUNNERS: dict[str, Callable[[BenchConfig, Report], None]] = {
     "reducer": exp_reducer, "ab": exp_ab, "fusion": exp_fusion, "scaling": exp_scaling, "allreduce": exp_allreduce,
-    "ckpt": exp_ckpt, "overhead": exp_overhead, "model": exp_model,
+    "ckpt": exp_ckpt, "overhead": exp_overhead, "model": exp_model, "paths": exp_paths,
 }
 
 

@@ -20,11 +20,17 @@ def _floats(text: str | None) -> tuple[float, ...] | None:
 
 @click.command("bench")
 @config_option
-@click.option("--quick", is_flag=True, help="Reducer comparison + allreduce bandwidth, small: under a minute on 2 cores.")
+@click.option("--quick", is_flag=True, help="The default Horovod path against DDP and the floor (mlp): under "
+                                           "a minute on 2 cores.")
 @click.option("--out-dir", "--out", "out", type=click.Path(file_okay=False), default="bench-results",
               show_default=True, help="Directory for the JSON, tables and figures.")
-@click.option("--only", default=None, help="Comma list of: reducer,ab,fusion,scaling,allreduce,ckpt,overhead,model.")
-@click.option("--models", default=None, help="Comma list of example models (default cnn,mlp).")
+@click.option("--only", default=None,
+              help="Comma list of: paths,reducer,ab,fusion,scaling,allreduce,ckpt,overhead,model.")
+@click.option("--models", default=None, help="Comma list of example models (default cnn,mlp; paths: "
+                                             "mlp,cnn,gpt,resnet18).")
+@click.option("--paths", "launch_paths", default=None,
+              help="Comma list of launch paths for 'paths' (default: all; mpirun ddp always).")
+@click.option("--slurm", is_flag=True, help="paths: also srun on the cluster this machine submits to.")
 @click.option("-np", "--np", "np", type=click.IntRange(min=2), default=2, show_default=True)
 @click.option("-H", "--hosts", default=None,
               help="Cross-node mode: mpirun -H hosts for the reducer and allreduce runs (e.g. "
@@ -51,6 +57,16 @@ def bench_command(quick: bool, out: str, only: str | None, models: str | None, *
             raise click.BadParameter(f"unknown: {', '.join(sorted(bad))}", param_hint="--only")
     if models:
         overrides["models"] = tuple(x.strip() for x in models.split(","))
+        overrides["path_models"] = overrides["models"]
+    if o["launch_paths"]:
+        from ..bench.paths import PATHS
+
+        overrides["paths"] = tuple(x.strip() for x in o["launch_paths"].split(","))
+        bad = set(overrides["paths"]) - set(PATHS)
+        if bad:
+            raise click.BadParameter(f"unknown: {', '.join(sorted(bad))}; use {', '.join(PATHS)}",
+                                     param_hint="--paths")
+    overrides["slurm"] = o["slurm"]
     for key, conv in (("sizes", _ints), ("world_sizes", _ints), ("fusion_mb", _floats),
                       ("bucket_mb", _floats), ("cycle_ms", _floats)):
         value = conv(o[key])
@@ -59,8 +75,9 @@ def bench_command(quick: bool, out: str, only: str | None, models: str | None, *
     for key in ("steps", "rounds", "ckpt_params_m", "overhead_epochs"):
         if o[key] is not None:
             overrides[key] = o[key]
-    for key in ("steps", "rounds"):  # the reducer experiment's blocks too, when given
+    for key in ("steps", "rounds"):  # the reducer's and the paths' blocks too, when given
         if o[key] is not None:
             overrides[f"reducer_{key}"] = o[key]
+            overrides[f"path_{key}"] = o[key]
     cfg = BenchConfig.quick(**overrides) if quick else BenchConfig(**overrides)
     run_suite(cfg, log=click.echo)

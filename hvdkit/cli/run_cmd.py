@@ -16,9 +16,11 @@ from ..backends.traits import DEFAULT_BACKEND, LAUNCHABLE
 from ..environments import check_network_interface
 from ..fileio import write_text_atomic
 from ..launch.local import (
+    CONTROLLERS,
     LocalLaunch,
     build_local_command,
     format_command,
+    horovod_controller,
     local_launcher,
     render_discovery_script,
     render_launch_script,
@@ -27,6 +29,7 @@ from ..launch.local import (
 )
 from ..launch.output import run_with_log
 from ..launch.vocabulary import CONSOLE_TTY_VAR, IFACE_VAR, check_iface_name
+from ..log import debug
 from .common import config_option, translate_errors
 from .validate import check_program, check_train_args, is_program
 
@@ -89,8 +92,9 @@ def shield_from_horovodrun(args: tuple[str, ...]) -> tuple[list[str], dict[str, 
 @click.option("--backend", type=click.Choice(LAUNCHABLE), default=DEFAULT_BACKEND, show_default=True)
 @click.option("--launcher", type=click.Choice(["auto", "horovodrun", "mpirun"]), default="auto",
               show_default=True, help="auto: horovodrun for Horovod, mpirun for DDP.")
-@click.option("--controller", type=click.Choice(["gloo", "mpi"]), default="gloo", show_default=True,
-              help="horovodrun controller.")
+@click.option("--controller", type=click.Choice(CONTROLLERS), default="auto", show_default=True,
+              help="horovodrun's controller. auto: MPI when Open MPI and an MPI-built Horovod are here "
+                   "(the faster), Gloo for --elastic or without them.")
 @click.option("-H", "--hosts", default=None, help="host:slots,... (default localhost:NP).")
 @click.option("--oversubscribe/--no-oversubscribe", default=None,
               help="Allow more ranks than cores (default: automatic).")
@@ -136,6 +140,11 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
         click.echo(f"wrote {path}", err=True)
         return
     chosen = local_launcher(backend, launcher)
+    if chosen == "horovodrun":
+        controller, why = horovod_controller(controller, elastic)
+        debug(f"horovodrun controller: {controller} ({why})")
+    else:
+        controller = "mpi"  # mpirun is MPI: there is no controller to choose
     if elastic and not host_discovery_script:
         raise click.UsageError("--elastic needs --host-discovery-script (write one with --write-discovery-script)")
     if iface:  # the launcher itself talks over it too: catch a wrong name before anything starts

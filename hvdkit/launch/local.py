@@ -19,11 +19,41 @@ from ..errors import ConfigError
 from .vocabulary import ELASTIC_LAUNCHER, FORWARDED_VARS, MPIRUN_BASE, iface_env, mpi_env, root_mpi_env
 
 __all__ = [
-    "LAUNCHERS", "LocalLaunch", "local_launcher", "build_local_command", "format_command", "root_mpi_env",
+    "LAUNCHERS", "CONTROLLERS", "horovod_controller", "LocalLaunch", "local_launcher", "build_local_command", "format_command", "root_mpi_env",
     "training_program", "render_launch_script", "render_discovery_script",
 ]
 
 LAUNCHERS = ("horovodrun", "mpirun")
+CONTROLLERS = ("auto", "gloo", "mpi")
+
+
+def horovod_controller(requested: str = "auto", elastic: bool = False, python: str | None = None) -> tuple[str, str]:
+    """horovodrun's controller, and why: ``requested``, or for ``auto`` the fastest one usable.
+
+    ``auto`` is MPI when Open MPI's ``mpirun`` is here and Horovod was built with MPI, unless
+    the run is elastic (Horovod Elastic needs Gloo). Measured on this project's 2-core
+    machines (mlp, 2 ranks): the MPI controller trains 1.2-1.9x faster than the Gloo one,
+    whose per-cycle negotiation goes over TCP even between ranks of one node.
+    """
+    if requested not in CONTROLLERS:
+        raise ConfigError(f"controller {requested!r} is not known", f"use one of: {', '.join(CONTROLLERS)}")
+    if elastic:
+        if requested == "mpi":
+            raise ConfigError("--controller mpi cannot run elastic training",
+                              "Horovod Elastic runs on the Gloo controller: drop --controller")
+        return "gloo", "elastic training runs on Gloo"
+    if requested != "auto":
+        return requested, "asked for"
+    import shutil
+
+    from ..backends.probe import horovod_has_mpi
+
+    mpirun = resolve_launcher("mpirun", python)
+    if not (os.path.isabs(mpirun) or shutil.which(mpirun)):
+        return "gloo", "no mpirun here"
+    if not horovod_has_mpi():
+        return "gloo", "Horovod was built without MPI"
+    return "mpi", "Open MPI and an MPI-built Horovod are here (faster than Gloo)"
 
 
 def local_launcher(backend: str, launcher: str = "auto") -> str:
