@@ -72,10 +72,20 @@ def check_horovod() -> Check:
                  "rebuild with HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 (scripts/setup.sh)", ("horovod",))
 
 
+def _tool(name: str) -> str | None:
+    """The path 'hvdkit run' would launch ``name`` from (beside this interpreter first, then PATH):
+    readiness is judged the way the launcher resolves tools, venv activated or not."""
+    from .launch.local import resolve_launcher
+
+    found = resolve_launcher(name)
+    return found if os.path.isabs(found) and os.access(found, os.X_OK) else shutil.which(found)
+
+
 def check_horovodrun() -> Check:
-    exe = shutil.which("horovodrun")
+    exe = _tool("horovodrun")
     if not exe:
-        return Check("horovodrun", False, "not on PATH", "activate .venv (source .venv/bin/activate)", ("horovod",))
+        return Check("horovodrun", False, f"neither beside {sys.executable} nor on PATH",
+                     "install Horovod into this environment (scripts/setup.sh)", ("horovod",))
     code, out = _cmd([exe, "--check-build"], timeout=60)
     sections: dict[str, list[str]] = {}
     current = ""
@@ -90,7 +100,7 @@ def check_horovodrun() -> Check:
 
 
 def check_mpi() -> Check:
-    exe = shutil.which("mpirun")
+    exe = _tool("mpirun")
     if not exe:
         return Check("mpirun", False, "not on PATH",
                      "apt-get install openmpi-bin libopenmpi-dev (scripts/setup.sh does)", ("horovod-mpi", "ddp-mpi"))

@@ -56,6 +56,10 @@ class SweepSpec:
             raise ConfigError(f"mode {self.mode!r} is not min or max", "set mode: min or mode: max")
         if bool(self.grid) == bool(self.random):
             raise ConfigError("a sweep needs exactly one of 'grid' or 'random'", "see hvdkit sweep --help")
+        for key, values in self.grid.items():
+            if not isinstance(values, list) or not values:
+                raise ConfigError(f"grid: {key} must be a non-empty list of values, got {values!r}",
+                                  f"e.g. grid: {{{key}: [0.01, 0.1]}}")
         if self.scheduler not in ("none", "asha"):
             raise ConfigError(f"scheduler {self.scheduler!r} is not none or asha", "use scheduler: asha or none")
         if not re.fullmatch(r"final_loss|loss|val_\w+", self.metric):
@@ -87,6 +91,9 @@ def load_space(path: str | os.PathLike[str]) -> SweepSpec:
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read sweep space {path}: {str(exc).splitlines()[0]}",
                           "pass a YAML file with grid: or random:") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"sweep space {path} must be a mapping of metric, grid/random, fixed, ...",
+                          "see hvdkit sweep --help")
     keys = {"metric", "mode", "fixed", "grid", "random", "scheduler", "eta", "grace"}
     unknown = set(data) - keys
     if unknown:

@@ -483,8 +483,8 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
         _check_data(run)
         run.memory = ElasticMemory(backend, run)
         if cfg.elastic:
-            diag(f"elastic worker rank {backend.rank} of {backend.size} host {backend.slot_host()} "
-                 f"pid {os.getpid()}", every_rank=True)
+            diag(f"elastic worker rank {backend.rank} of {backend.size} (local {backend.local_rank}) host "
+                 f"{backend.slot_host()} pid {os.getpid()}", every_rank=True)
             # sync, then the loop; after a lost or added worker: roll back or keep, re-sync, re-enter
             try:
                 backend.run_elastic(lambda: _loop(run, preemption), run.memory)

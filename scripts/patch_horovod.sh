@@ -100,3 +100,36 @@ if "hvdkit patch: back off" not in text:
 if "#include <thread>" not in pair.read_text():
     sys.exit(f"patch_horovod.sh: no <thread> include in {pair}")
 PYEOF
+# Horovod Elastic 0.28.1 blacklists a worker's whole host when that worker fails, and stops
+# the job when every host is blacklisted: on one host with several slots (one node, several
+# GPUs: the commonest elastic set-up) one crashed worker ended the job instead of shrinking it.
+# Blacklist a host only when every worker it ran failed (the node is gone); a single worker's
+# failure re-forms the world without it, and its slot is used again when the discovery script
+# lists it (bounded by horovodrun's --reset-limit, like any reset).
+python3 - "$SRC" <<'PYEOF'
+import sys
+from pathlib import Path
+
+reg = Path(sys.argv[1]) / "horovod" / "runner" / "elastic" / "registration.py"
+text = reg.read_text()
+old = """        failures = self.get(FAILURE)
+        for host, slot in failures:
+            self._host_manager.blacklist(host)
+"""
+new = """        failures = self.get(FAILURE)
+        # hvdkit patch: blacklist a host only when every worker it ran failed (the node is
+        # gone); a lone failed worker leaves the world, and its slot may be used again
+        for host in {host for host, slot in failures}:
+            ran = [s for h, s in self.get_recorded_slots() if h == host]
+            failed = [s for h, s in failures if h == host]
+            if len(failed) >= len(ran):
+                self._host_manager.blacklist(host)
+            else:
+                logging.warning('worker(s) %s on host %s failed; its other workers live: not blacklisted',
+                                failed, host)
+"""
+if "hvdkit patch: blacklist a host only" not in text:
+    if old not in text:
+        sys.exit(f"patch_horovod.sh: the elastic blacklist patch did not apply to {reg}")
+    reg.write_text(text.replace(old, new, 1))
+PYEOF

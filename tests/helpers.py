@@ -297,3 +297,50 @@ def kill_job(proc: subprocess.Popen, wait: bool = True) -> None:
             pass
     if wait:
         proc.wait(timeout=30)
+
+
+def elastic_one_host(tmp_path: Path, host: str, prefix: Sequence[str] = (), env: dict[str, str] | None = None,
+                     deadline_s: float = 240) -> tuple[str, list[tuple[int, int]], float]:
+    """Horovod Elastic on ONE host with 2 slots (discovery ``host:2``): it must start at once,
+    shrink to 1 when the worker in slot 1 is killed and its slot unlisted, and grow back to 2
+    when the slot is listed again. Returns (the whole output, the resets as (world, committed
+    step), seconds until the first worker started). ``prefix`` runs it elsewhere (a cluster node)."""
+    from hvdkit.data import make_synthetic_h5
+
+    data = make_synthetic_h5(tmp_path / "train.h5", "mlp", 2048, seed=5)
+    listing = tmp_path / "hosts"
+    listing.write_text(f"{host}:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat '{listing}'\n")
+    script.chmod(0o755)
+    argv = [*prefix, *HVDKIT, "run", "--elastic", "-np", "2", "--min-np", "1", "--max-np", "2",
+            "--host-discovery-script", str(script), "--", "--commit-every", "4", "--model", "mlp",
+            "--epochs", "3", "--data", str(data), "--sample-log", str(tmp_path / "samples.jsonl"),
+            "--log-every", "1"]
+    started = time.monotonic()
+    proc = spawn(argv, env=env, cwd=tmp_path)
+    workers: dict[int, int] = {}  # local rank -> pid
+    phase, first_worker = [0], [None]
+    log: list[str] = []
+    try:
+        for line in proc.stdout:
+            log.append(line)
+            assert time.monotonic() - started < deadline_s, "".join(log)[-3000:]
+            m = re.search(r"elastic worker rank \d+ of \d+ \(local (\d+)\) host \S+ pid (\d+)", line)
+            if m:
+                workers[int(m.group(1))] = int(m.group(2))
+                first_worker[0] = first_worker[0] or time.monotonic() - started
+            if phase[0] == 0 and "commit at step 12 " in line:
+                listing.write_text(f"{host}:1\n")          # slot 1 goes away ...
+                os.kill(workers[1], signal.SIGKILL)        # ... and its worker dies mid-epoch
+                phase[0] = 1
+            elif phase[0] == 1 and "reset: rank 0 of 1" in line:
+                listing.write_text(f"{host}:2\n")          # the slot is listed again
+                phase[0] = 2
+        proc.wait(timeout=60)
+    finally:
+        kill_job(proc)
+    text = "".join(log)
+    assert proc.returncode == 0 and phase[0] == 2, text[-4000:]
+    resets = [(int(w), int(s)) for w, s in re.findall(r"reset: rank 0 of (\d) .*?committed step (\d+)", text)]
+    return text, resets, first_worker[0] or float("inf")

@@ -48,3 +48,15 @@ def test_gpu_stack_verdict_names_what_is_missing():
     good = gpu_stack_verdict(4, True, True)
     assert good.ok and "Horovod with NCCL ops" in good.detail
     assert gpu_stack_verdict(1, True, None).ok  # DDP alone needs no Horovod
+
+
+def test_doctor_judges_horovodrun_the_way_hvdkit_run_finds_it():
+    """.venv/bin/hvdkit doctor with the venv not activated: horovodrun is beside the interpreter,
+    where 'hvdkit run' finds it, so it is not 'missing'."""
+    env = base_env()
+    env["PATH"] = "/usr/bin:/bin"  # no venv on PATH
+    proc = subprocess.run([str(Path(sys.executable).parent / "hvdkit"), "doctor"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    out = proc.stdout
+    assert "[ok  ] horovodrun" in out and "controllers MPI, Gloo" in out, out
+    assert "not ready: Horovod (horovodrun)" not in out and proc.returncode == 0, out

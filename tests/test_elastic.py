@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import HVDKIT, PY, base_env, kill_job, spawn
+from helpers import HVDKIT, PY, base_env, elastic_one_host, kill_job, spawn
 from hvdkit.checkpoint import read_checkpoint
 from hvdkit.data import make_synthetic_h5
 from hvdkit.samplelog import read_sample_log
@@ -85,7 +85,7 @@ def test_elastic_on_real_data_shrinks_and_grows_and_sees_every_sample_once_per_e
     pids, phase = {}, [0]
 
     def on_line(line: str) -> None:
-        m = re.search(r"elastic worker rank \d+ of \d+ host (\S+) pid (\d+)", line)
+        m = re.search(r"elastic worker rank \d+ of \d+ \(local \d+\) host (\S+) pid (\d+)", line)
         if m:
             pids[m.group(1)] = int(m.group(2))
         if phase[0] == 0 and "commit at step 12 " in line:
@@ -122,6 +122,24 @@ def test_elastic_on_real_data_shrinks_and_grows_and_sees_every_sample_once_per_e
         ids = [i for r in records if r["epoch"] == epoch for i in r["ids"]]
         assert sorted(ids) == list(range(2048)), f"epoch {epoch}: {len(ids)} ids, {len(set(ids))} distinct"
     assert records[-1]["step"] == int(done.group(3))
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(300)
+def test_one_host_with_two_slots_starts_at_once_shrinks_and_grows(tmp_path):
+    """Discovery 'localhost:2': one machine, several slots (one node, several GPUs). horovodrun
+    waited silently for a second host before hvdkit gave it the interface; a killed worker's
+    host was blacklisted whole, which ended a one-host job instead of shrinking it."""
+    text, resets, first = elastic_one_host(tmp_path, "localhost")
+    assert first < 60, first  # not Horovod's silent 600 s wait for a second host
+    assert [w for w, _ in resets] == [1, 2], resets
+    done = _done(text)
+    assert int(done.group(1)) == 2
+    records = read_sample_log(tmp_path / "samples.jsonl")
+    assert {r["world"] for r in records} == {1, 2}
+    for epoch in range(3):  # every sample once per epoch, through the shrink and the growth
+        ids = [i for r in records if r["epoch"] == epoch for i in r["ids"]]
+        assert sorted(ids) == list(range(2048)), f"epoch {epoch}"
 
 
 COMMON = ["--model", "tiny", "--num-samples", "1024", "--batch-size", "32", "--lr", "0.05",

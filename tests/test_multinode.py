@@ -22,11 +22,13 @@ import pytest
 from click.testing import CliRunner
 from helpers import (
     CLUSTER,
+    base_env,
     cluster,
     cluster_mode,
     read_metrics,
     render,
     sbatch,
+    elastic_one_host,
     wait_done,
     wait_for_text,
 )
@@ -283,6 +285,39 @@ def test_node_death_ends_the_job_in_one_line_and_a_rerun_resumes(tmp_path, nodes
     assert re.search(r"resumed from .*ckpt-\d+\.h5", relog) and "done: backend=ddp world=2" in relog
 
 
+@pytest.mark.timeout(420)
+def test_horovod_mpi_controller_node_death_is_one_line_and_keeps_the_checkpoint(tmp_path, nodes_restored):
+    """Horovod over MPI (srun --mpi=pmix, the MPI controller) across 2 nodes: node2 dies."""
+    ck = tmp_path / "ck"
+    script = render(tmp_path, "hcrash", "--backend", "horovod", "-N", "2", "--no-requeue",
+                    "--checkpoint-dir", str(ck), "--", "--model", "cnn", "--epochs", "12",
+                    "--num-samples", "1024", "--batch-size", "16", "--checkpoint-every", "8")
+    job = sbatch(script, tmp_path)
+    log_path = tmp_path / f"hcrash-{job}.out"
+    wait_for_text(log_path, "epoch 1 loss", job)
+    cluster("kill-node", "node2")
+    state = wait_done(job, timeout=180)
+    log = log_path.read_text()
+    errors = [ln for ln in log.splitlines() if ln.startswith("Error:") or "lost contact" in ln]
+    assert state in ("FAILED", "NODE_FAIL"), (state, log[-3000:])
+    assert errors and all("Traceback" not in ln for ln in errors), log[-3000:]
+    assert any(re.search(r"lost contact with rank 1 on node2", ln) for ln in errors), log[-3000:]
+    assert "Traceback" not in log
+    show = subprocess.run([sys.executable, "-m", "hvdkit", "ckpt", "verify", str(ck)],
+                          capture_output=True, text=True, timeout=60)
+    assert show.returncode == 0 and "OK" in show.stdout, show.stdout + show.stderr
+
+
+@pytest.mark.timeout(400)
+def test_elastic_on_one_cluster_node_with_two_slots(tmp_path):
+    """Discovery 'node1:2' on node1 itself: trains, shrinks when a worker dies, grows back."""
+    text, resets, first = elastic_one_host(tmp_path, "node1", prefix=[str(CLUSTER), "exec", "node1", "--"],
+                                           env={**base_env(), "OMP_NUM_THREADS": "1"})
+    assert first < 60, first
+    assert [w for w, _ in resets] == [1, 2], resets
+    assert re.search(r"done: backend=horovod world=2 ", text)
+
+
 # ---------------------------------------------------------------------------------------------
 # 8. hvdkit doctor inside a 2-node allocation
 # ---------------------------------------------------------------------------------------------
@@ -339,7 +374,7 @@ def test_elastic_sbatch_job_loses_a_node_takes_it_back_and_sees_every_sample(tmp
     text = log.read_text()
     assert state == "COMPLETED", text[-4000:]
     assert "#SBATCH --no-kill" in script.read_text()
-    workers = set(re.findall(r"elastic worker rank \d+ of \d+ host (node\d)", text))
+    workers = set(re.findall(r"elastic worker rank \d+ of \d+ \(local \d+\) host (node\d)", text))
     assert workers == {"node1", "node2"}, text[-3000:]
     resets = re.findall(r"reset: rank 0 of (\d) ", text)
     # shrink first, grow later (a busy machine may show the loss as two resets of world 1)

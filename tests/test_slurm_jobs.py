@@ -59,9 +59,10 @@ def test_horovod_and_ddp_agree(reference_losses):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("who", ["steps", "full", "batch"])
+@pytest.mark.parametrize("who", ["steps", "full", "batch", "usr2"])
 def test_sigusr1_checkpoints_requeues_and_resumes(tmp_path, reference_losses, who):
-    """scancel --signal=USR1 reaches the steps; --full also, --batch only, the batch shell (which traps it)."""
+    """scancel --signal=USR1 reaches the steps; --full also, --batch only, the batch shell (which traps it).
+    USR2 (what sites pick when USR1 clashes; the script forwards it too) acts like USR1."""
     script = render(tmp_path, "preempt", "--backend", "ddp", "--tasks-per-node", "2",
                     "--checkpoint-dir", str(tmp_path / "ck"), "--", *TRAIN)
     job = sbatch(script, tmp_path)
@@ -71,13 +72,14 @@ def test_sigusr1_checkpoints_requeues_and_resumes(tmp_path, reference_losses, wh
         assert time.time() < deadline and job_state(job) in ("PENDING", "RUNNING"), "job never trained"
         time.sleep(0.2)
     # what Slurm does --signal=USR1@90 seconds before the time limit
-    subprocess.run(["scancel", "--signal=USR1", *({"steps": [], "full": ["--full"], "batch": ["--batch"]}[who]),
+    sig = "USR2" if who == "usr2" else "USR1"
+    subprocess.run(["scancel", f"--signal={sig}", *({"full": ["--full"], "batch": ["--batch"]}.get(who, [])),
                     job], check=True, timeout=30)
     assert wait_done(job, kick_requeued=True) == "COMPLETED"
     log = log_path.read_text()
-    assert re.search(r"preempted at step \d+ by SIGUSR1; checkpoint saved; requeued Slurm job", log), log
+    assert re.search(rf"preempted at step \d+ by SIG{sig}; checkpoint saved; requeued Slurm job", log), log
     assert "restart 1" in log and re.search(r"resumed from .*ckpt-\d+\.h5", log)
-    assert ("[sbatch] got SIGUSR1, passing it to the training step" in log) == (who != "steps")
+    assert ("[sbatch] got SIGUSR1, passing it to the training step" in log) == (who in ("full", "batch"))
     assert final_loss(log) == final_loss(reference_losses["ddp"])  # nothing lost, nothing repeated
 
 

@@ -27,6 +27,8 @@ from ..launch.local import (
     resolve_launcher,
     training_program,
 )
+from ..errors import ConfigError
+from ..launch.elastic import DEFAULT_ELASTIC_TIMEOUT, discover, elastic_interface
 from ..launch.output import run_with_log
 from ..launch.vocabulary import CONSOLE_TTY_VAR, IFACE_VAR, check_iface_name
 from ..log import debug
@@ -106,6 +108,9 @@ def shield_from_horovodrun(args: tuple[str, ...]) -> tuple[list[str], dict[str, 
 @click.option("--blacklist-cooldown-range", type=(click.IntRange(min=1), click.IntRange(min=1)),
               default=None, help="Elastic: seconds (MIN MAX) a host whose worker failed is kept out; "
                                  "without it, it never rejoins (Horovod's default).")
+@click.option("--elastic-timeout", type=click.IntRange(min=1), default=DEFAULT_ELASTIC_TIMEOUT, show_default=True,
+              help="Elastic: seconds horovodrun waits for --min-np slots before it fails (its own "
+                   "default, 600, looks like a hang).")
 @click.option("--write-discovery-script", type=click.Path(dir_okay=False), default=None,
               help="Write a discovery script for Slurm allocations (slurm/discover_hosts.sh) and exit.")
 @click.option("--slots", type=click.IntRange(min=1), default=1, show_default=True,
@@ -123,7 +128,7 @@ def shield_from_horovodrun(args: tuple[str, ...]) -> tuple[list[str], dict[str, 
 def run_command(np: int, backend: str, launcher: str, controller: str, hosts: str | None,
                 oversubscribe: bool | None, elastic: bool, min_np: int | None, max_np: int | None,
                 host_discovery_script: str | None, write_discovery_script: str | None, slots: int,
-                blacklist_cooldown_range: tuple[int, int] | None, iface: str | None,
+                blacklist_cooldown_range: tuple[int, int] | None, iface: str | None, elastic_timeout: int,
                 dry_run: bool, log_dir: str | None, write_script: str | None, args: tuple[str, ...],
                 **_: Any) -> None:
     """Run training on NP local ranks.
@@ -139,24 +144,37 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
         path = write_text_atomic(write_discovery_script, render_discovery_script(slots), executable=True)
         click.echo(f"wrote {path}", err=True)
         return
-    chosen = local_launcher(backend, launcher)
-    if chosen == "horovodrun":
-        controller, why = horovod_controller(controller, elastic)
-        debug(f"horovodrun controller: {controller} ({why})")
-    else:
-        controller = "mpi"  # mpirun is MPI: there is no controller to choose
     if elastic and not host_discovery_script:
         raise click.UsageError("--elastic needs --host-discovery-script (write one with --write-discovery-script)")
-    if iface:  # the launcher itself talks over it too: catch a wrong name before anything starts
-        check_network_interface({IFACE_VAR: check_iface_name(iface)})
     # a terminal here: hvdkit train's ranks send their progress, and this process draws it as a bar
     tty = sys.stderr.isatty() and not is_program(args) and not (dry_run or write_script)
-    spec = LocalLaunch(np=np, launcher=chosen, controller=controller, hosts=hosts,
-                       env={CONSOLE_TTY_VAR: "1"} if tty else {},
-                       oversubscribe=oversubscribe, iface=iface,
-                       min_np=(min_np or 1) if elastic else None, max_np=(max_np or np) if elastic else None,
-                       discovery_script=host_discovery_script if elastic else None,
-                       blacklist_cooldown=blacklist_cooldown_range if elastic else None)
+    try:  # every mistake in the launch itself is a usage error, found before anything starts
+        chosen = local_launcher(backend, launcher)
+        if chosen == "horovodrun":
+            controller, why = horovod_controller(controller, elastic)
+            debug(f"horovodrun controller: {controller} ({why})")
+        else:
+            controller = "mpi"  # mpirun is MPI: there is no controller to choose
+        nic = None
+        if elastic:
+            assert host_discovery_script is not None
+            lo = min_np or 1
+            if not lo <= np <= (max_np or np):
+                raise ConfigError(f"need --min-np ({lo}) <= -np ({np}) <= --max-np ({max_np or np})",
+                                  "pick bounds around -np")
+            nic = elastic_interface(discover(host_discovery_script), lo, host_discovery_script, iface)
+            debug(f"elastic: horovodrun --network-interface {nic or '(found by horovodrun)'}")
+        spec = LocalLaunch(np=np, launcher=chosen, controller=controller, hosts=hosts,
+                           env={CONSOLE_TTY_VAR: "1"} if tty else {},
+                           oversubscribe=oversubscribe, iface=iface,
+                           min_np=(min_np or 1) if elastic else None, max_np=(max_np or np) if elastic else None,
+                           discovery_script=host_discovery_script if elastic else None,
+                           blacklist_cooldown=blacklist_cooldown_range if elastic else None,
+                           elastic_nic=nic, elastic_timeout=elastic_timeout if elastic else None)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    if iface:  # the launcher itself talks over it too: catch a wrong name before anything starts
+        check_network_interface({IFACE_VAR: check_iface_name(iface)})
     if is_program(args):
         check_program(args)
     else:

@@ -13,6 +13,7 @@ from ..backends.traits import DEFAULT_BACKEND, LAUNCHABLE
 from ..config import HorovodOptions
 from ..errors import ConfigError
 from ..fileio import write_text_atomic
+from ..launch.elastic import DEFAULT_ELASTIC_TIMEOUT
 from ..launch.local import training_program
 from ..launch.vocabulary import ELASTIC_LAUNCHER, iface_env
 from ..launch.slurm import SLURM_LAUNCHERS, SRUN_MPI, SlurmJob, render_sbatch, submit
@@ -56,6 +57,7 @@ def build_job(o: dict[str, Any]) -> SlurmJob:
         checkpoint_dir=o["checkpoint_dir"], process_group=o["process_group"],
         elastic_min_nodes=(o["min_nodes"] or o["nodes"]) if o["elastic"] else None,
         blacklist_cooldown=tuple(o["blacklist_cooldown_range"] or (60, 300)),
+        elastic_timeout=o["elastic_timeout"],
     )
 
 
@@ -102,6 +104,8 @@ def _print_template_dir(ctx: click.Context) -> None:
               help="--elastic: keep training down to this many nodes [default: --nodes].")
 @click.option("--blacklist-cooldown-range", nargs=2, type=click.IntRange(min=1), default=None,
               help="--elastic: seconds (MIN MAX) before a failed node may rejoin [default: 60 300].")
+@click.option("--elastic-timeout", type=click.IntRange(min=1), default=DEFAULT_ELASTIC_TIMEOUT, show_default=True,
+              help="--elastic: seconds horovodrun waits for --min-nodes before the job fails.")
 @click.option("--srun-mpi", type=click.Choice(SRUN_MPI), default=None,
               help="srun --mpi plugin for Horovod [default: pmix]; DDP needs none.")
 @click.option("--process-group", type=click.Choice(["gloo", "nccl"]), default=None,
@@ -152,6 +156,11 @@ def slurm_command(**o: Any) -> None:
         text = render_sbatch(job, Path(o["template_dir"]) if o["template_dir"] else None)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+    if o["venv"] and not (Path(o["venv"]) / "bin" / "activate").is_file():
+        # a warning, not an error: a cluster's file system may differ from this node's
+        click.echo(f"Warning: --venv {o['venv']} has no bin/activate on this machine; the job fails at its "
+                   "'source' line unless the nodes have it (their file system may differ from this one's)",
+                   err=True)
     if o["out"]:
         write_text_atomic(o["out"], text, executable=True)
         click.echo(f"wrote {o['out']}", err=True)

@@ -87,15 +87,18 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
     from ..launch.slurm import SlurmJob, render_sbatch, submit
     from ..sweep import best_trial, collect_results, load_space, plot_results, results_table, run_local, write_trials
 
-    try:  # before anything is written
+    try:  # before anything is written: every mistake in the space is a usage error
         if slurm or np > 1:
             traits(backend, launched=True)
+        spec = load_space(space)
+        overrides = {k: v for k, v in (("scheduler", scheduler), ("eta", eta), ("grace", grace)) if v is not None}
+        if overrides:
+            spec = dataclasses.replace(spec, **overrides)  # validated again
+        from ..sweep import expand_trials
+
+        expand_trials(spec)  # a random space's distributions, sampled once now
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    spec = load_space(space)
-    overrides = {k: v for k, v in (("scheduler", scheduler), ("eta", eta), ("grace", grace)) if v is not None}
-    if overrides:
-        spec = dataclasses.replace(spec, **overrides)  # validated again
     out_dir = Path(out).resolve()
     if not collect:
         trials = write_trials(out_dir, spec)

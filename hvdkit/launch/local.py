@@ -8,6 +8,7 @@ tests can compare structures instead of strings.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
@@ -19,7 +20,7 @@ from ..errors import ConfigError
 from .vocabulary import ELASTIC_LAUNCHER, FORWARDED_VARS, MPIRUN_BASE, iface_env, mpi_env, root_mpi_env
 
 __all__ = [
-    "LAUNCHERS", "CONTROLLERS", "horovod_controller", "LocalLaunch", "local_launcher", "build_local_command", "format_command", "root_mpi_env",
+    "LAUNCHERS", "CONTROLLERS", "horovod_controller", "parse_hosts", "LocalLaunch", "local_launcher", "build_local_command", "format_command", "root_mpi_env",
     "training_program", "render_launch_script", "render_discovery_script",
 ]
 
@@ -56,6 +57,18 @@ def horovod_controller(requested: str = "auto", elastic: bool = False, python: s
     return "mpi", "Open MPI and an MPI-built Horovod are here (faster than Gloo)"
 
 
+def parse_hosts(spec: str) -> list[tuple[str, int]]:
+    """``node1:2,node2:2`` -> ``[("node1", 2), ("node2", 2)]``; one-line ConfigError if malformed."""
+    out = []
+    for item in spec.split(","):
+        host, sep, slots = item.strip().rpartition(":")
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", host) or not slots.isdigit() or int(slots) < 1:
+            raise ConfigError(f"-H {spec!r}: {item!r} is not host:slots with slots >= 1",
+                              "e.g. -H node1:2,node2:2")
+        out.append((host, int(slots)))
+    return out
+
+
 def local_launcher(backend: str, launcher: str = "auto") -> str:
     """The launcher that starts ``backend``'s ranks here: ``launcher``, or for ``auto`` the
     first this backend can use (horovodrun for Horovod, mpirun for DDP)."""
@@ -89,6 +102,8 @@ class LocalLaunch:
     discovery_script: str | None = None
     iface: str | None = None
     blacklist_cooldown: tuple[int, int] | None = None  # elastic: (min, max) s a failed host waits
+    elastic_nic: str | None = None   # elastic: horovodrun's --network-interface (see launch/elastic.py)
+    elastic_timeout: int | None = None  # elastic: s horovodrun waits for --min-np slots, then fails
 
     def __post_init__(self) -> None:
         if self.np < 1:
@@ -97,6 +112,8 @@ class LocalLaunch:
             raise ConfigError(f"launcher {self.launcher!r} is not known", f"use one of: {', '.join(LAUNCHERS)}")
         if self.controller not in ("gloo", "mpi"):
             raise ConfigError(f"controller {self.controller!r} is not known", "use gloo or mpi")
+        if self.hosts is not None:
+            parse_hosts(self.hosts)
         if self.elastic:
             if self.launcher != ELASTIC_LAUNCHER:
                 raise ConfigError(f"elastic training needs {ELASTIC_LAUNCHER}", f"use --launcher {ELASTIC_LAUNCHER}")
@@ -143,6 +160,10 @@ def build_local_command(
                      "--host-discovery-script", str(spec.discovery_script), "--gloo"]
             if spec.blacklist_cooldown:  # else a host that failed once never comes back
                 argv += ["--blacklist-cooldown-range", *map(str, spec.blacklist_cooldown)]
+            if spec.elastic_nic and not spec.iface:  # else horovodrun waits for a second host
+                argv += ["--network-interface", spec.elastic_nic]
+            if spec.elastic_timeout:
+                argv += ["--elastic-timeout", str(spec.elastic_timeout)]
             return argv + list(program), env
         argv += ["-H", spec.hosts or f"localhost:{spec.np}"]
         argv.append("--gloo" if spec.controller == "gloo" else "--mpi")

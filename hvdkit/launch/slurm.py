@@ -18,6 +18,7 @@ from typing import Any
 from .. import __version__
 from ..backends.traits import traits
 from ..errors import ConfigError, HvdkitError
+from .elastic import DEFAULT_ELASTIC_TIMEOUT
 from .templates import Raw, check_env_name, render_template, template_dir
 from .vocabulary import ELASTIC_LAUNCHER, FORWARDED_VARS, MPI_DEFAULTS, MPIRUN_BASE
 
@@ -125,6 +126,7 @@ class SlurmJob:
     process_group: str | None = None
     elastic_min_nodes: int | None = None  # Horovod Elastic over the allocation, down to this many nodes
     blacklist_cooldown: tuple[int, int] = (60, 300)  # elastic: s before a failed node may rejoin
+    elastic_timeout: int = DEFAULT_ELASTIC_TIMEOUT  # elastic: s horovodrun waits for the fewest nodes
 
     def __post_init__(self) -> None:
         if not self.program:
@@ -172,6 +174,8 @@ class SlurmJob:
                                   "the job asks for --nodes; elastic training goes on down to --min-nodes")
             if self.array:
                 raise ConfigError("--elastic with --array is not supported", "submit one elastic job per run")
+            if self.elastic_timeout < 1:
+                raise ConfigError("--elastic-timeout must be >= 1 second", "e.g. --elastic-timeout 120")
             lo, hi = self.blacklist_cooldown
             if not 0 < lo <= hi:
                 raise ConfigError(f"--blacklist-cooldown-range {lo} {hi} is not 0 < MIN <= MAX",
