@@ -307,6 +307,15 @@ class TrainConfig:
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}", "e.g. 0.1")
         if self.clip_grad_norm is not None:
             _finite_positive("clip_grad_norm", self.clip_grad_norm)
+        if self.backend.name == "horovod" and self.backend.horovod.op == "adasum":
+            # Adasum reduces the update a local step made, inside step(): there is no reduced
+            # gradient to unscale or clip first (Horovod refuses skip_synchronize with it)
+            for bad, why in ((self.clip_grad_norm is not None, "--clip-grad-norm"),
+                             (self.precision == "fp16", "--precision fp16")):
+                if bad:
+                    raise ConfigError(f"--hvd-op adasum cannot be combined with {why}: Adasum reduces "
+                                      "each rank's update, so there is no reduced gradient to clip "
+                                      "or unscale", f"drop {why}, or use --hvd-op average")
         if self.commit_every < 1:
             raise ConfigError("commit_every must be >= 1", "commit at least every step")
         if self.keep_checkpoints < 1:

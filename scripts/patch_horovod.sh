@@ -118,7 +118,7 @@ old = """        failures = self.get(FAILURE)
 """
 new = """        failures = self.get(FAILURE)
         # hvdkit patch: blacklist a host only when every worker it ran failed (the node is
-        # gone); a lone failed worker leaves the world, and its slot may be used again
+        # gone); a lone failed worker leaves the world, and its slot is free again
         for host in {host for host, slot in failures}:
             ran = [s for h, s in self.get_recorded_slots() if h == host]
             failed = [s for h, s in failures if h == host]
@@ -127,9 +127,25 @@ new = """        failures = self.get(FAILURE)
             else:
                 logging.warning('worker(s) %s on host %s failed; its other workers live: not blacklisted',
                                 failed, host)
+                for slot in failed:
+                    self._driver.forget_slot(host, slot)
 """
 if "hvdkit patch: blacklist a host only" not in text:
     if old not in text:
         sys.exit(f"patch_horovod.sh: the elastic blacklist patch did not apply to {reg}")
     reg.write_text(text.replace(old, new, 1))
+driver = reg.with_name("driver.py")
+text = driver.read_text()
+anchor = "    def _update_host_assignments(self, current_hosts):\n"
+forget = """    def forget_slot(self, host, slot):
+        # hvdkit patch: a failed worker's slot is free again; the next assignment starts a
+        # worker in it if the discovery script still lists it, or leaves it out
+        if host in self._host_assignments:
+            self._host_assignments[host] = [s for s in self._host_assignments[host] if s.local_rank != slot]
+
+"""
+if "def forget_slot" not in text:
+    if anchor not in text:
+        sys.exit(f"patch_horovod.sh: the elastic slot patch did not apply to {driver}")
+    driver.write_text(text.replace(anchor, forget + anchor, 1))
 PYEOF

@@ -80,7 +80,7 @@ fi
 PYTAG="$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
 # Patches applied to the sdist; part of the cache key and recorded in the venv, so a
 # change here rebuilds once and an older build is never mistaken for this one.
-HOROVOD_PATCHES="cxx17+gloo-iface+wait-cv+gloo-backoff+elastic-slots"
+HOROVOD_PATCHES="cxx17+gloo-iface+wait-cv+gloo-backoff+elastic-slots2"
 # CPU key unchanged; a CUDA build adds -cu<major>-sm<archs> (PLAN_CACHE_SUFFIX)
 WHEEL_DIR="$CACHE/wheels/horovod-$HOROVOD_VERSION-$HOROVOD_PATCHES-torch$TORCH_VERSION-$PYTAG$PLAN_CACHE_SUFFIX"
 PATCH_MARK="$VENV/.hvdkit-horovod-patches"
@@ -111,6 +111,7 @@ else
       CUDA_VARS="$("$PY" "$ROOT/scripts/cuda_home.py" "$BUILD/cuda")"  # fails loudly if none
       mapfile -t -O "${#GPU_ENV[@]}" GPU_ENV <<<"$CUDA_VARS"
     fi
+    rm -rf "$WHEEL_DIR.tmp"  # an interrupted build leaves it half-written
     mkdir -p "$WHEEL_DIR"
     # shellcheck disable=SC2016  # $0/$@ belong to the inner bash: cd there, then run the rest
     quiet bash -c 'cd "$0" && exec "$@"' "$SRC" env "${GPU_ENV[@]}" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from pathlib import Path
 
@@ -207,6 +207,14 @@ def wait_done(job: str, timeout: float = 240, kick_requeued: bool = False) -> st
     raise AssertionError(f"job {job} still {job_state(job)} after {timeout}s")
 
 
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``condition`` (an event: a file, a line) until true; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout}s for {what}"
+        time.sleep(0.05)
+
+
 def wait_for_text(path: Path, text: str, job: str, timeout: float = 120) -> None:
     """Wait until ``text`` appears in ``path`` while ``job`` has not ended.
 
@@ -300,11 +308,13 @@ def kill_job(proc: subprocess.Popen, wait: bool = True) -> None:
 
 
 def elastic_one_host(tmp_path: Path, host: str, prefix: Sequence[str] = (), env: dict[str, str] | None = None,
-                     deadline_s: float = 240) -> tuple[str, list[tuple[int, int]], float]:
-    """Horovod Elastic on ONE host with 2 slots (discovery ``host:2``): it must start at once,
-    shrink to 1 when the worker in slot 1 is killed and its slot unlisted, and grow back to 2
-    when the slot is listed again. Returns (the whole output, the resets as (world, committed
-    step), seconds until the first worker started). ``prefix`` runs it elsewhere (a cluster node)."""
+                     deadline_s: float = 240, epochs: int = 8) -> tuple[str, list[tuple[int, int]], float]:
+    """Horovod Elastic on ONE host with 2 slots (discovery ``host:2``): it must start at once;
+    a killed worker in a slot still listed is replaced (reset at world 2: the host is not
+    blacklisted for one worker's death); unlisting slot 1 shrinks the job to 1 worker, listing
+    it again grows it back to 2. Every step waits on a line of the job's output. Returns (the
+    whole output, the resets as (world, committed step), seconds until the first worker
+    started). ``prefix`` runs it elsewhere (a cluster node)."""
     from hvdkit.data import make_synthetic_h5
 
     data = make_synthetic_h5(tmp_path / "train.h5", "mlp", 2048, seed=5)
@@ -315,7 +325,7 @@ def elastic_one_host(tmp_path: Path, host: str, prefix: Sequence[str] = (), env:
     script.chmod(0o755)
     argv = [*prefix, *HVDKIT, "run", "--elastic", "-np", "2", "--min-np", "1", "--max-np", "2",
             "--host-discovery-script", str(script), "--", "--commit-every", "4", "--model", "mlp",
-            "--epochs", "3", "--data", str(data), "--sample-log", str(tmp_path / "samples.jsonl"),
+            "--epochs", str(epochs), "--data", str(data), "--sample-log", str(tmp_path / "samples.jsonl"),
             "--log-every", "1"]
     started = time.monotonic()
     proc = spawn(argv, env=env, cwd=tmp_path)
@@ -331,16 +341,19 @@ def elastic_one_host(tmp_path: Path, host: str, prefix: Sequence[str] = (), env:
                 workers[int(m.group(1))] = int(m.group(2))
                 first_worker[0] = first_worker[0] or time.monotonic() - started
             if phase[0] == 0 and "commit at step 12 " in line:
-                listing.write_text(f"{host}:1\n")          # slot 1 goes away ...
-                os.kill(workers[1], signal.SIGKILL)        # ... and its worker dies mid-epoch
+                os.kill(workers[1], signal.SIGKILL)        # slot 1's worker dies mid-epoch
                 phase[0] = 1
-            elif phase[0] == 1 and "reset: rank 0 of 1" in line:
-                listing.write_text(f"{host}:2\n")          # the slot is listed again
+            elif phase[0] == 1 and "reset: rank 0 of 2" in line:
+                listing.write_text(f"{host}:1\n")          # replaced; now slot 1 goes away
                 phase[0] = 2
+            elif phase[0] == 2 and "reset: rank 0 of 1" in line:
+                listing.write_text(f"{host}:2\n")          # and is listed again
+                phase[0] = 3
         proc.wait(timeout=60)
     finally:
         kill_job(proc)
+        (tmp_path / "run.log").write_text("".join(log))  # the whole story, for a failure
     text = "".join(log)
-    assert proc.returncode == 0 and phase[0] == 2, text[-4000:]
+    assert proc.returncode == 0 and phase[0] == 3, f"see {tmp_path / 'run.log'}: " + text[-3000:]
     resets = [(int(w), int(s)) for w, s in re.findall(r"reset: rank 0 of (\d) .*?committed step (\d+)", text)]
     return text, resets, first_worker[0] or float("inf")

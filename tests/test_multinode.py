@@ -298,11 +298,14 @@ def test_horovod_mpi_controller_node_death_is_one_line_and_keeps_the_checkpoint(
     cluster("kill-node", "node2")
     state = wait_done(job, timeout=180)
     log = log_path.read_text()
-    errors = [ln for ln in log.splitlines() if ln.startswith("Error:") or "lost contact" in ln]
     assert state in ("FAILED", "NODE_FAIL"), (state, log[-3000:])
-    assert errors and all("Traceback" not in ln for ln in errors), log[-3000:]
-    assert any(re.search(r"lost contact with rank 1 on node2", ln) for ln in errors), log[-3000:]
-    assert "Traceback" not in log
+    # Who tells first is a race that neither side controls: rank 0 noticing the silent peer
+    # (hvdkit's one line), or srun noticing the dead slurmstepd and cancelling the job (Slurm's
+    # one line, after which no rank lives to say more). Either way: one reason, no traceback.
+    ours = [ln for ln in log.splitlines() if "lost contact with rank 1 on node2" in ln]
+    slurms = [ln for ln in log.splitlines() if re.search(r"CANCELLED AT \S+ DUE TO NODE FAILURE", ln)]
+    assert len(ours) == 1 or slurms, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
     show = subprocess.run([sys.executable, "-m", "hvdkit", "ckpt", "verify", str(ck)],
                           capture_output=True, text=True, timeout=60)
     assert show.returncode == 0 and "OK" in show.stdout, show.stdout + show.stderr
@@ -314,7 +317,7 @@ def test_elastic_on_one_cluster_node_with_two_slots(tmp_path):
     text, resets, first = elastic_one_host(tmp_path, "node1", prefix=[str(CLUSTER), "exec", "node1", "--"],
                                            env={**base_env(), "OMP_NUM_THREADS": "1"})
     assert first < 60, first
-    assert [w for w, _ in resets] == [1, 2], resets
+    assert [w for w, _ in resets] == [2, 1, 2], resets
     assert re.search(r"done: backend=horovod world=2 ", text)
 
 

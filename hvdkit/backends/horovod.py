@@ -216,9 +216,15 @@ class HorovodBackend(Backend):
         this rank's gradients; with clipping, each rank clipping a different norm and the
         reduced gradient not clipped at all.
         """
+        started = time.perf_counter()
+        if self.config.horovod.op == "adasum":
+            # Adasum reduces the update inside step() (no scaler and no clipping: the config
+            # refuses both); its wait cannot be told apart from the local step, so it is not
+            # counted in comm_wait
+            optimizer.step()
+            return
         # synchronize() explicitly (what step() does first anyway): its wait is the exposed
         # communication, measured for the epoch line
-        started = time.perf_counter()
         optimizer.synchronize()
         self.comm_wait += time.perf_counter() - started
         if scaler is not None:

@@ -168,7 +168,8 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
                            env={CONSOLE_TTY_VAR: "1"} if tty else {},
                            oversubscribe=oversubscribe, iface=iface,
                            min_np=(min_np or 1) if elastic else None, max_np=(max_np or np) if elastic else None,
-                           discovery_script=host_discovery_script if elastic else None,
+                           # horovodrun runs it through a shell: a bare relative name is not found
+                           discovery_script=str(Path(host_discovery_script).resolve()) if elastic else None,
                            blacklist_cooldown=blacklist_cooldown_range if elastic else None,
                            elastic_nic=nic, elastic_timeout=elastic_timeout if elastic else None)
     except ConfigError as exc:

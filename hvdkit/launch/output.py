@@ -21,8 +21,9 @@ from typing import IO
 
 __all__ = ["ConsoleFilter", "RunOutcome", "run_with_log"]
 
-# horovodrun tags worker lines "[0]<stderr>:", torch tags tracebacks "[rank0]: "
-_TAG = re.compile(r"^(\[\d+\]<std(?:out|err)>:|\[rank\d+\]:\s?)")
+# horovodrun's Gloo controller tags worker lines "[0]<stderr>:", its MPI controller (mpirun
+# --tag-output) "[1,0]<stderr>:"; torch tags tracebacks "[rank0]: "
+_TAG = re.compile(r"^(\[\d+(?:,\d+)?\]<std(?:out|err)>:|\[rank\d+\]:\s?)")
 _BANNER = re.compile(r"^-{40,}$")
 _LAUNCHER_NOISE = re.compile(r"^(Process \d+ exit with status code \d+\.|"
                              r"Terminating remaining workers after failure of Process \d+\.|"
