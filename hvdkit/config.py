@@ -31,6 +31,7 @@ OPTIMIZER_NAMES = ("sgd", "adam", "adamw")          # hvdkit.optim builds them
 LR_SCHEDULES = ("constant", "cosine", "step")       # after the warm-up (hvdkit.schedule)
 PRECISIONS = ("fp32", "bf16", "fp16")  # hvdkit.precision implements them
 COMPRESSIONS = ("none", "fp16")
+SHARD_MODES = ("none", "optimizer", "full")  # hvdkit.backends.zero; FSDP2 for full (DDP only)
 HOROVOD_OPS = ("average", "sum", "adasum")
 HOROVOD_REDUCERS = ("bucketed", "stock")
 NONFINITE_MODES = ("stop", "warn")  # hvdkit.nonfinite
@@ -170,11 +171,27 @@ class BackendConfig:
 
     name: str = DEFAULT_BACKEND
     accumulation_steps: int = 1
+    shard: str = "none"  # optimizer: ZeRO-1/2 (1/N of the optimizer state); full: FSDP2 (DDP)
     horovod: HorovodOptions = field(default_factory=HorovodOptions)
     ddp: DDPOptions = field(default_factory=DDPOptions)
 
     def __post_init__(self) -> None:
         _choice("backend", self.name, BACKENDS)
+        _choice("shard", self.shard, SHARD_MODES)
+        if self.shard == "full" and self.name != "ddp":
+            raise ConfigError(f"--shard full is not available with --backend {self.name}: Horovod has no "
+                              "parameter sharding (each layer's weights would have to be gathered in "
+                              "forward and backward)",
+                              "use --shard optimizer (ZeRO-1/2 on Horovod's reduce-scatter), or "
+                              "--backend ddp --shard full (FSDP2)")
+        if self.shard != "none":
+            for bad, why in ((self.name == "horovod" and self.horovod.op != "average",
+                              f"--hvd-op {self.horovod.op}"),
+                             (self.horovod.compression != "none" or self.ddp.compression != "none",
+                              "--compression fp16")):
+                if bad:
+                    raise ConfigError(f"--shard {self.shard} cannot be combined with {why} (the sharded "
+                                      "reduction averages plain gradients)", f"drop {why} or --shard")
         if self.accumulation_steps < 1:
             raise ConfigError(
                 f"accumulation_steps must be >= 1, got {self.accumulation_steps}",
@@ -281,6 +298,13 @@ class TrainConfig:
             raise ConfigError("--asha-dir with --elastic is not supported: a rung compares trials of "
                               "one fixed size, and rank 0, which judges it, may change in an elastic job",
                               "sweep trials run without --elastic")
+        if self.backend.shard != "none":
+            for bad, why in ((self.elastic, "--elastic"), (self.uneven, "--uneven"),
+                             (self.precision == "fp16", "--precision fp16 (use bf16)")):
+                if bad:
+                    raise ConfigError(f"--shard {self.backend.shard} cannot be combined with {why}: "
+                                      "every rank must take part in every sharded reduction, and "
+                                      "each holds only its part of the state", f"drop {why} or --shard")
         if self.uneven:
             for bad, why in ((self.backend.accumulation_steps > 1, "--accumulation-steps above 1"),
                              (self.elastic, "--elastic"), (self.precision == "fp16", "--precision fp16"),

@@ -40,6 +40,7 @@ from .fileio import write_json_atomic
 from .log import configure as configure_log
 from .log import debug, diag, warn
 from .log import result as result_line
+from .memory import rank_memory
 from .metrics import evaluate
 from .models import build_model
 from .nonfinite import NonFiniteWatch
@@ -80,6 +81,7 @@ class TrainResult:
     status: str = "completed"  # or "pruned" (ASHA stopped it), "preempted"
     asha: list[dict] = field(default_factory=list)  # the rung decisions, with their numbers
     partial_loss: float | None = None  # stopped mid-epoch (--max-steps): that epoch's loss so far
+    memory: list[dict] = field(default_factory=list)  # per rank: bytes held (hvdkit.memory)
 
     @property
     def final_loss(self) -> float:
@@ -89,10 +91,11 @@ class TrainResult:
         return self.epoch_losses[-1] if self.epoch_losses else float("nan")
 
 
-def param_digest(model: nn.Module) -> str:
-    """SHA-256 of all parameters and buffers, to compare ranks and runs bit for bit."""
+def param_digest(model: nn.Module | dict[str, torch.Tensor]) -> str:
+    """SHA-256 of all parameters and buffers (a module or its state dict), to compare ranks and
+    runs bit for bit."""
     h = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
+    for name, tensor in (model if isinstance(model, dict) else model.state_dict()).items():
         h.update(name.encode())
         h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
@@ -713,7 +716,8 @@ def _report_done(run: _Run) -> None:
     """Check that every rank holds the same weights, print the summary, write metrics."""
     backend, result, cfg = run.backend, run.result, run.cfg
     backend.sync_buffers(run.model)  # rank 0's BatchNorm statistics, as the checkpoint holds
-    digests = backend.gather_objects(param_digest(backend.unwrap(run.model)))
+    result.memory = backend.gather_objects(rank_memory(backend.unwrap(run.model), run.optimizer))
+    digests = backend.gather_objects(param_digest(backend.replica_state_dict(run.model)))
     result.param_digest = digests[0]
     result.history = run.progress.history
     result.epoch_losses = run.progress.epoch_losses

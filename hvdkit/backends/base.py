@@ -6,6 +6,7 @@ import contextlib
 import os
 import re
 import socket
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from typing import Any, Protocol, TypeVar
@@ -16,6 +17,7 @@ from torch import nn
 from ..config import BackendConfig
 from ..environments import usable_cores
 from ..errors import ConfigError
+from .zero import ShardedOptimizer
 
 __all__ = ["Backend", "ElasticLoop", "share_node_cores", "to_cpu", "clip_gradients"]
 
@@ -159,6 +161,11 @@ class Backend(ABC):
         """The whole model's ``state_dict`` (unwrapped; a sharded backend gathers it)."""
         return self.unwrap(model).state_dict()
 
+    def replica_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """Collective where sharded: the whole model's state as this rank's replica holds it
+        (every rank; compared across ranks at the end of a run)."""
+        return self.unwrap(model).state_dict()
+
     def load_module_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         """Inverse of :meth:`module_state_dict` on this rank."""
         self.unwrap(model).load_state_dict(state)
@@ -173,6 +180,9 @@ class Backend(ABC):
 
     def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int = 0) -> None:
         """Collective: every rank takes ``root``'s optimizer state (as one object)."""
+        if isinstance(optimizer, ShardedOptimizer):  # each rank takes the part it owns
+            optimizer.scatter_pending(root)
+            return
         state = self.broadcast_object(to_cpu(optimizer.state_dict()) if self.rank == root else None, root)
         if self.rank != root:
             optimizer.load_state_dict(state)
@@ -191,8 +201,21 @@ class Backend(ABC):
         DDP has reduced the (scaled) gradients during backward, so the usual order is right:
         ``scaler.unscale_``, ``clip_grad_norm_``, ``scaler.step``/``update``. Horovod
         overrides this: it reduces inside ``optimizer.step()``, so unscaling and clipping must
-        wait for ``synchronize()``.
+        wait for ``synchronize()``. ``--shard optimizer`` (either backend): reduce-scatter,
+        clip the owned reduced gradients by the global norm, step, all-gather (no scaler: the
+        config refuses fp16 with sharding).
         """
+        if isinstance(optimizer, ShardedOptimizer):
+            started = time.perf_counter()
+            optimizer.reduce_gradients()
+            self.comm_wait += time.perf_counter() - started
+            if clip_grad_norm:
+                optimizer.clip_grad_norm_(clip_grad_norm)
+            optimizer.local_step()
+            started = time.perf_counter()
+            optimizer.gather_parameters()
+            self.comm_wait += time.perf_counter() - started
+            return
         if clip_grad_norm:
             if scaler is not None:
                 scaler.unscale_(optimizer)
@@ -278,6 +301,16 @@ class Backend(ABC):
     def allreduce_(self, tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
         """Sum ``tensor`` across ranks in place: the bare collective (the bandwidth bench times it)."""
         return tensor.copy_(self.allreduce_tensor(tensor, "sum"))
+
+    def reduce_scatter_mean(self, flat: torch.Tensor) -> torch.Tensor:
+        """Average ``flat`` (a length divisible by the world size) across ranks and return this
+        rank's contiguous 1/N of it (``--shard optimizer``). This fallback reduces it all."""
+        n = flat.numel() // self.size
+        return self.allreduce_tensor(flat, "mean")[self.rank * n:(self.rank + 1) * n].clone()
+
+    def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's equal-length 1D ``shard``, concatenated in rank order, on every rank."""
+        return torch.cat([t.to(shard.device) for t in self.gather_objects(shard.detach().cpu())])
 
     def allreduce_metric(self, value: float | torch.Tensor, op: str = "mean") -> float:
         """Reduce one scalar across ranks and return it as a Python float."""

@@ -13,7 +13,7 @@ import datetime
 import gc
 import inspect
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from typing import Any, TypeVar
 
 import torch
@@ -24,7 +24,9 @@ from torch.nn.parallel import DistributedDataParallel
 from ..config import BackendConfig
 from ..environments import ClusterEnvironment, detect_environment
 from ..errors import HvdkitError, first_line
+from . import fsdp
 from .base import Backend, to_cpu
+from .zero import ShardedOptimizer
 
 T = TypeVar("T")
 
@@ -106,6 +108,13 @@ class DDPBackend(Backend):
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         opts = self.config.ddp
         model = model.to(self.device)  # keeps Parameter identity, so optimizer stays valid
+        if self.config.shard == "optimizer":  # ZeRO-1/2: gradients reduce-scattered by the optimizer
+            return model, ShardedOptimizer(optimizer, self)
+        if self.config.shard == "full":
+            # rank 0's whole weights first: once sharded, a "whole model" is every rank's part
+            # of its own initialisation, and no rank holds rank 0's any more
+            self.broadcast_state(model)
+            return fsdp.shard_model(model, optimizer, self.device)
         ddp = DistributedDataParallel(
             model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -147,7 +156,11 @@ class DDPBackend(Backend):
 
     @contextlib.contextmanager
     def accumulate(self, model: nn.Module, sync: bool) -> Iterator[None]:
-        if not isinstance(model, DistributedDataParallel):
+        if fsdp.is_sharded(model):  # FSDP2 reduce-scatters in backward unless told not to
+            # (its exposed wait is inside backward, not separated: comm_wait stays 0 here)
+            model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+            yield
+        elif not isinstance(model, DistributedDataParallel):
             yield
         elif sync:
             self._last_gradient = None
@@ -158,9 +171,64 @@ class DDPBackend(Backend):
             with model.no_sync():
                 yield
 
+    # -- --shard full: FSDP2 gathers and scatters whole states (hvdkit.backends.fsdp) -------
+    def module_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        return fsdp.full_model_state(model) if fsdp.is_sharded(model) else super().module_state_dict(model)
+
+    def replica_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        return fsdp.full_model_state(model, everywhere=True) if fsdp.is_sharded(model) \
+            else super().replica_state_dict(model)
+
+    def load_module_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        if fsdp.is_sharded(model):
+            fsdp.hold(model, state)  # rank 0 alone: scattered by broadcast_state
+        else:
+            super().load_module_state_dict(model, state)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        model = fsdp.model_of(optimizer)
+        return fsdp.full_optimizer_state(model, optimizer) if model is not None \
+            else super().optimizer_state_dict(optimizer)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        if fsdp.model_of(optimizer) is not None:
+            fsdp.hold(optimizer, state)
+        else:
+            super().load_optimizer_state_dict(optimizer, state)
+
+    def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int = 0) -> None:
+        model = fsdp.model_of(optimizer)
+        if model is not None:
+            fsdp.scatter_optimizer_state(model, optimizer, self.rank == root)
+        else:
+            super().broadcast_optimizer(optimizer, root)
+
+    def eval_batches(self, loader: Iterable[Any], shard: Sized) -> Iterator[tuple[Any, int]]:
+        """FSDP2's forward is collective: a rank with fewer batches runs its first one again
+        with weight 0, until every rank has run as many."""
+        if self.config.shard != "full":
+            yield from super().eval_batches(loader, shard)
+            return
+        mine = len(loader)  # type: ignore[arg-type]
+        most = int(self.allreduce_metric(float(mine), "max"))
+        first = None
+        for batch in loader:
+            first = batch if first is None else first
+            yield batch, 1
+        for _ in range(most - mine):
+            if first is None:
+                raise HvdkitError("a rank has no validation batch to keep FSDP's collective forward "
+                                  "in step with the others", "use at least one validation sample per rank")
+            yield first, 0
+
     def broadcast_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, root: int = 0
     ) -> None:
+        if fsdp.is_sharded(model):
+            fsdp.scatter_model_state(model, self.rank == root)
+            if optimizer is not None:
+                self.broadcast_optimizer(optimizer, root)
+            return
         with torch.no_grad():
             for tensor in self.unwrap(model).state_dict().values():
                 dist.broadcast(tensor, src=root)
@@ -186,6 +254,16 @@ class DDPBackend(Backend):
     def allreduce_(self, tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
         dist.all_reduce(tensor)
         return tensor
+
+    def reduce_scatter_mean(self, flat: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(flat.numel() // self._size, dtype=flat.dtype, device=flat.device)
+        dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM)
+        return out.div_(self._size)
+
+    def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(shard.numel() * self._size, dtype=shard.dtype, device=shard.device)
+        dist.all_gather_into_tensor(out, shard.contiguous())
+        return out
 
     def allreduce_tensor(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         if op not in _REDUCE_OPS:

@@ -20,6 +20,7 @@ from ..environments import detect_environment
 from ..errors import BackendUnavailableError, ConfigError, HvdkitError, LauncherEnvError
 from .base import Backend, ElasticLoop, clip_gradients
 from .buckets import bucketed_optimizer
+from .zero import ShardedOptimizer
 
 T = TypeVar("T")
 
@@ -136,6 +137,9 @@ class HorovodBackend(Backend):
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         opts = self.config.horovod
         model = model.to(self.device)
+        if self.config.shard == "optimizer":  # ZeRO-1/2 on hvd.reducescatter/allgather
+            self._optimizer = ShardedOptimizer(optimizer, self)
+            return model, self._optimizer
         compression = self.hvd.Compression.fp16 if opts.compression == "fp16" else self.hvd.Compression.none
         common = dict(named_parameters=list(model.named_parameters()), compression=compression,
                       backward_passes_per_step=self.config.accumulation_steps, op=self._op(),
@@ -216,6 +220,9 @@ class HorovodBackend(Backend):
         this rank's gradients; with clipping, each rank clipping a different norm and the
         reduced gradient not clipped at all.
         """
+        if isinstance(optimizer, ShardedOptimizer):
+            super().optimizer_step(optimizer, scaler, clip_grad_norm)
+            return
         started = time.perf_counter()
         if self.config.horovod.op == "adasum":
             # Adasum reduces the update inside step() (no scaler and no clipping: the config
@@ -247,6 +254,9 @@ class HorovodBackend(Backend):
         so it runs only when root really has state (a resume), and the parameters must be
         broadcast after it (:func:`hvdkit.state.broadcast` orders them so).
         """
+        if isinstance(optimizer, ShardedOptimizer):
+            super().broadcast_optimizer(optimizer, root)
+            return
         root_has_state = self.broadcast_object(
             bool(optimizer.state_dict()["state"]) if self.rank == root else None, root)
         if root_has_state:
@@ -304,6 +314,12 @@ class HorovodBackend(Backend):
 
     def allreduce_(self, tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
         return self.hvd.allreduce_(tensor, op=self.hvd.Sum, name=name or self._name("allreduce"))  # type: ignore[no-any-return]
+
+    def reduce_scatter_mean(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.hvd.reducescatter(flat, op=self.hvd.Average, name=self._name("zero.rs"))  # type: ignore[no-any-return]
+
+    def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+        return self.hvd.allgather(shard, name=self._name("zero.ag"))  # type: ignore[no-any-return]
 
     def start_any_flags(self, flags: Sequence[bool | torch.Tensor]) -> Callable[[], list[bool]]:
         handle = self.hvd.allreduce_async(self._flag_tensor(flags), op=self.hvd.Max,

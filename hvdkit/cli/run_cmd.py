@@ -179,7 +179,7 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
     if is_program(args):
         check_program(args)
     else:
-        check_train_args(args)  # before anything starts: horovodrun would only wait on it
+        check_train_args(args, backend=backend)  # before anything starts: horovodrun would only wait on it
     if elastic and (not args or args[0].startswith("-")):
         args = (*args, "--elastic")
     shielded: dict[str, str] = {}

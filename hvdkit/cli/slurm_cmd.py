@@ -148,7 +148,7 @@ def slurm_command(**o: Any) -> None:
     if is_program(args):
         check_program(args, o["venv"])
     else:
-        check_train_args(args)
+        check_train_args(args, backend=o["backend"])
     try:
         if o["array"] and o["array_params"]:
             check_array_params(o["array"], o["array_params"], train_options=not is_program(args))

@@ -25,6 +25,7 @@ from ..config import (
     NONFINITE_MODES,
     PRECISIONS,
     PROGRESS_MODES,
+    SHARD_MODES,
     BackendConfig,
     DDPOptions,
     HorovodOptions,
@@ -75,7 +76,7 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
         compression=o["compression"], timeout_s=o["ddp_timeout"], environment=o["environment"],
     )
     backend = BackendConfig(name=o["backend"], accumulation_steps=o["accumulation_steps"],
-                            horovod=hvd, ddp=ddp)
+                            shard=o["shard"], horovod=hvd, ddp=ddp)
     args = {name: parse_args(o[name], flag) for name, flag in ARG_LISTS.items()}
     fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"backend", *ARG_LISTS}
     return TrainConfig(backend=backend, **args, **{k: o[k] for k in fields})
@@ -122,6 +123,9 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
 @_opt("--exact-batch/--no-exact-batch", default=TRAIN["exact_batch"], help="Fail if the global batch does not divide.")
 @_opt("--accumulation-steps", "--backward-passes-per-step", "accumulation_steps",
       type=click.IntRange(min=1), default=BACKEND["accumulation_steps"], help="Micro-batches per optimizer step.")
+@_opt("--shard", type=click.Choice(SHARD_MODES), default=BACKEND["shard"],
+      help="none; optimizer: each rank keeps 1/N of the optimizer state and gradients (ZeRO-1/2, "
+           "both backends); full: parameters too (FSDP2, --backend ddp).")
 # -- optimizer and schedule --------------------------------------------------------------------
 @_opt("--optimizer", default=TRAIN["optimizer"],
       help="sgd, adam, adamw, or a class by import path (e.g. torch.optim:RMSprop).")

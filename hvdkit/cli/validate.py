@@ -35,8 +35,9 @@ def is_program(args: Sequence[str]) -> bool:
     return bool(args) and not args[0].startswith("-")
 
 
-def check_train_args(args: Sequence[str], where: str = "after '--'") -> None:
-    """Parse ``args`` exactly as ``hvdkit train`` will on the nodes; raise a UsageError now."""
+def check_train_args(args: Sequence[str], where: str = "after '--'", backend: str | None = None) -> None:
+    """Parse ``args`` exactly as ``hvdkit train`` will on the nodes (after ``--backend backend``,
+    as the launched command has it); raise a UsageError now."""
     from .train_cmd import build_train_config, train_command
 
     for arg in args:
@@ -46,7 +47,8 @@ def check_train_args(args: Sequence[str], where: str = "after '--'") -> None:
                 f"{name} {where} would be passed to training, which has no such option. "
                 f"HINT: it is a scheduler option: use hvdkit's {SLURM_SPELLINGS[name]} before '--'")
     try:
-        ctx = train_command.make_context("hvdkit train", list(args), resilient_parsing=False)
+        given = ["--backend", backend, *args] if backend else list(args)
+        ctx = train_command.make_context("hvdkit train", given, resilient_parsing=False)
         check_import_paths(build_train_config(ctx.params))
     except click.NoSuchOption as exc:
         raise click.UsageError(_unknown_option(exc, where)) from None

@@ -1,0 +1,150 @@
+"""``--shard full`` on the DDP path: FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Each rank holds 1/N of every parameter, its gradient and its optimizer state; a unit's
+parameters are all-gathered for its forward and backward and its gradients reduce-scattered.
+Units: every block of every ``nn.ModuleList``/``nn.Sequential`` that holds parameters
+(transformer layers, ResNet stages' blocks), then the root for the rest. A model whose
+parameters are shared between modules (tied embeddings) is sharded as one unit: FSDP2
+cannot split one parameter between two units.
+
+Checkpoints stay whole: :func:`full_model_state` and :func:`full_optimizer_state` gather
+the state one tensor at a time onto rank 0's CPU (torch's ``get_*_state_dict`` with
+``full_state_dict`` and ``cpu_offload``), the optimizer in ``torch.optim``'s own layout
+(parameters by index, not by name), so a sharded run resumes unsharded and the other way
+round, at any world size. Loading is the reverse: rank 0 *holds* what it read
+(:func:`hold`), and the broadcast that follows every restore scatters it
+(``broadcast_from_rank0``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .zero import same_optimizer
+
+__all__ = ["shard_model", "is_sharded", "model_of", "hold", "full_model_state", "full_optimizer_state",
+           "scatter_model_state", "scatter_optimizer_state"]
+
+_MODEL_OF: dict[int, nn.Module] = {}  # id(optimizer) -> its sharded model
+_HELD: dict[int, dict[str, Any]] = {}  # id(module or optimizer) -> state rank 0 read
+
+
+def _units(model: nn.Module) -> list[nn.Module]:
+    """Sub-modules to shard on their own, children before parents (FSDP2 wants inner first)."""
+    shared = len(list(model.named_parameters(remove_duplicate=False))) != len(list(model.parameters()))
+    if shared:
+        return []
+    units = []
+    for container in model.modules():
+        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+            units += [m for m in container if any(True for _ in m.parameters())]
+    return list(reversed(list(dict.fromkeys(units))))
+
+
+def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer,
+                device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Shard ``model`` in place and rebuild ``optimizer`` (same class, groups and
+    hyper-parameters) over the sharded parameters, which are new objects."""
+    from torch.distributed.fsdp import fully_shard
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [([names[id(p)] for p in g["params"]], {k: v for k, v in g.items() if k != "params"})
+              for g in optimizer.param_groups]
+    for unit in _units(model):
+        fully_shard(unit)
+    fully_shard(model)
+    params = dict(model.named_parameters())
+    rebuilt = same_optimizer(optimizer, [{**hyper, "params": [params[n] for n in group]}
+                                         for group, hyper in groups])
+    _MODEL_OF[id(rebuilt)] = model
+    return model, rebuilt
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True for a module :func:`shard_model` sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def model_of(optimizer: torch.optim.Optimizer) -> nn.Module | None:
+    """The sharded model an optimizer from :func:`shard_model` steps, else None."""
+    return _MODEL_OF.get(id(optimizer))
+
+
+def hold(obj: Any, state: dict[str, Any]) -> None:
+    """Keep ``state`` (read on rank 0) until the broadcast that follows scatters it."""
+    _HELD[id(obj)] = state
+
+
+def _options(**kw: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def full_model_state(model: nn.Module, everywhere: bool = False) -> dict[str, Any]:
+    """Collective: the whole ``state_dict`` on rank 0's CPU (``{}`` elsewhere), or on every rank."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_options(cpu_offload=not everywhere))
+
+
+def _index_of(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, int]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    return {name: i for i, name in enumerate(order)}
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Collective: the whole optimizer ``state_dict`` on rank 0, keyed by parameter index as
+    ``torch.optim`` keys it (``{}`` elsewhere)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    by_name = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
+    if not by_name:
+        return {}
+    index = _index_of(optimizer, model)
+    return {"state": {index[n]: v for n, v in by_name["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]}
+
+
+def scatter_model_state(model: nn.Module, is_root: bool) -> None:
+    """Collective: every rank takes its shards of the state rank 0 holds (a restore), or of
+    rank 0's current weights when it holds none (a fresh start: all begin from rank 0's)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    held = _HELD.pop(id(model), None) if is_root else None
+    if not _root_holds(is_root, held):
+        held = full_model_state(model)  # collective; whole on rank 0 only
+    set_model_state_dict(model, held if is_root else {}, options=_options(broadcast_from_rank0=True))
+
+
+def _root_holds(is_root: bool, state: Any) -> bool:
+    """Collective: does rank 0 hold a state to scatter?"""
+    import torch.distributed as dist
+
+    flag = [bool(is_root and state is not None)]
+    dist.broadcast_object_list(flag, src=0)
+    return bool(flag[0])
+
+
+def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, is_root: bool) -> None:
+    """Collective: every rank takes its shards of the optimizer state rank 0 holds (a resume);
+    nothing when it holds none (a fresh optimizer has no state to agree on)."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    held = _HELD.pop(id(optimizer), None) if is_root else None
+    if not _root_holds(is_root, held):
+        return
+    if is_root:
+        names = {i: n for n, i in _index_of(optimizer, model).items()}
+        state = {"state": {names[int(i)]: v for i, v in held["state"].items()},  # type: ignore[index]
+                 "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]}
+                                  for g in held["param_groups"]]}  # type: ignore[index]
+    else:
+        state = {}
+    set_optimizer_state_dict(model, optimizer, state, options=_options(broadcast_from_rank0=True))
