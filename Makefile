@@ -14,4 +14,4 @@ cluster-down:
 bench: setup
 	.venv/bin/hvdkit bench --quick --out bench-results
 lint:
-	shellcheck scripts/*.sh .ci/run
+	shellcheck scripts/*.sh .ci/run && .venv/bin/ruff check hvdkit tests && .venv/bin/mypy

@@ -291,7 +291,7 @@ class TrainConfig:
             if best[0].startswith("val_") and not self.has_validation:
                 raise ConfigError(f"--keep-best {best[0]} needs validation data",
                                   "add --val-data FILE or --val-fraction F")
-        if self.asha_dir is not None and self.asha_trial is None or self.asha_dir is None and self.asha_trial is not None:
+        if (self.asha_dir is None) != (self.asha_trial is None):
             raise ConfigError("--asha-dir and --asha-trial go together",
                               "let 'hvdkit sweep --scheduler asha' pass both")
         if self.elastic and self.asha_dir is not None:

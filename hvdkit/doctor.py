@@ -50,10 +50,12 @@ def check_torch() -> Check:
     except ImportError as exc:
         return Check("torch", False, f"not importable: {exc}", f"{SETUP} (pins torch==2.13.0)", ("horovod", "ddp"))
     cuda = torch.cuda.is_available()
-    detail = f"{torch.__version__}; CUDA {'available, ' + str(torch.cuda.device_count()) + ' GPU(s)' if cuda else 'not available (CPU/gloo paths)'}"
+    gpus = f"available, {torch.cuda.device_count()} GPU(s)" if cuda else "not available (CPU/gloo paths)"
+    detail = f"{torch.__version__}; CUDA {gpus}"
     dist = torch.distributed.is_available()
     nccl = cuda and torch.distributed.is_nccl_available()
-    detail += f"; distributed {'yes' if dist else 'NO'}, gloo {'yes' if dist and torch.distributed.is_gloo_available() else 'no'}, nccl {'yes' if nccl else 'no'}"
+    gloo = dist and torch.distributed.is_gloo_available()
+    detail += f"; distributed {'yes' if dist else 'NO'}, gloo {'yes' if gloo else 'no'}, nccl {'yes' if nccl else 'no'}"
     return Check("torch", dist, detail, "install a torch build with distributed support", ("horovod", "ddp"))
 
 
@@ -129,7 +131,8 @@ def check_slurm() -> Check:
     code, out = _cmd(["sinfo", "-h", "-o", "%P %a %D %t"])
     _, mpis = _cmd(["srun", "--mpi=list"])
     pmix = "pmix" in mpis
-    detail = f"sinfo: {out.splitlines()[0] if code == 0 and out else 'no controller reachable'}; srun --mpi: {'pmix' if pmix else 'no pmix'}"
+    sinfo = out.splitlines()[0] if code == 0 and out else "no controller reachable"
+    detail = f"sinfo: {sinfo}; srun --mpi: {'pmix' if pmix else 'no pmix'}"
     fix = "" if code == 0 else "start Slurm (scripts/local-cluster.sh up) or check slurm.conf"
     if code == 0 and not pmix:
         fix = "Horovod under srun needs --mpi=pmix (or use --launcher mpirun)"

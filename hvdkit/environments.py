@@ -65,7 +65,9 @@ _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 def _split_top_level(text: str) -> list[str]:
     """Split on commas that are not inside brackets: 'a[1-2],b' -> ['a[1-2]', 'b']."""
-    parts, depth, current = [], 0, []
+    parts: list[str] = []
+    depth = 0
+    current: list[str] = []
     for ch in text:
         if ch == "[":
             depth += 1
@@ -312,7 +314,7 @@ class SlurmEnvironment(ClusterEnvironment):
     """Tasks started by ``srun`` (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``).
 
     Rank 0's host is the first host of ``SLURM_JOB_NODELIST`` and the port is
-    derived from the job id (15000 + its last four digits, as Lightning does),
+    derived from the job id (``launch.vocabulary.MASTER_PORT_BASE`` + its last four digits),
     so every task agrees without talking to the others.
     """
 
@@ -343,7 +345,9 @@ class SlurmEnvironment(ClusterEnvironment):
             )
         job_id = self._env.get("SLURM_JOB_ID", "0")
         digits = re.sub(r"\D", "", job_id)[-4:] or "0"
-        return expand_nodelist(nodelist)[0], 15000 + int(digits)
+        from .launch.vocabulary import MASTER_PORT_BASE, MASTER_PORT_SPAN
+
+        return expand_nodelist(nodelist)[0], MASTER_PORT_BASE + int(digits) % MASTER_PORT_SPAN
 
 
 class LocalEnvironment(ClusterEnvironment):

@@ -237,13 +237,13 @@ def check_static(value: str, args: Mapping[str, Any] | None = None, what: str = 
     if file.suffix != ".py":
         return
     first, _, rest = path.attr.partition(".")
-    found = _find_definition(file, first, path.module)
-    if found is False:
+    defined = _find_definition(file, first, path.module)
+    if defined is False:
         raise ConfigError(f"{what} {value}: {file.name} defines no {first!r}",
                           "check the name after ':'")
-    if not isinstance(found, tuple):
+    if not isinstance(defined, tuple):
         return
-    sig = _signature_from_source(found[0], ".".join(filter(None, [found[1], rest])))
+    sig = _signature_from_source(defined[0], ".".join(filter(None, [defined[1], rest])))
     if sig is None:
         return
     positional = [a.arg for a in (*sig.posonlyargs, *sig.args)]

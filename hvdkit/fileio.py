@@ -32,11 +32,12 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, *, durable: bool = False,
-                       mode: int = 0o644, check_space: bool = False) -> Path:
+                       mode: int = 0o644, check_space: bool = False, hold: str | None = None) -> Path:
     """Write ``data`` to ``path`` atomically; ``durable`` also fsyncs the file and its directory.
 
     ``check_space`` refuses (``ENOSPC``) before writing when the file would not fit with
     :data:`SPACE_MARGIN` to spare. Raises ``OSError``; no temporary file is left behind.
+    ``hold`` names the :func:`hvdkit.faults.hold_point` half-way through the write.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -47,6 +48,14 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, *, durable: bo
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
         try:
             view = memoryview(data)
+            if hold:  # the first half, then wait at the hold point, then the rest
+                from .faults import hold_point
+
+                first = len(view) // 2
+                while first:
+                    written = os.write(fd, view[:first])
+                    view, first = view[written:], first - written
+                hold_point(hold)
             while view:
                 view = view[os.write(fd, view):]
             if durable:

@@ -48,7 +48,7 @@ class ChecksumMismatch(ValueError):
 
 def crc32_of(array: np.ndarray, value: int = 0) -> int:
     """CRC-32 of an array's raw bytes (C order)."""
-    return zlib.crc32(memoryview(np.ascontiguousarray(array)).cast("B"), value) & 0xFFFFFFFF
+    return zlib.crc32(np.ascontiguousarray(array).tobytes(), value) & 0xFFFFFFFF
 
 
 def _escape(name: str) -> str:
@@ -180,7 +180,7 @@ def read_tree(group: Any, name: str, verify: bool = True, tensors: bool = True) 
     out = {}
     for member in members:
         raw = _unescape(member)
-        k = _KEY_TYPES[key_types[raw]](raw) if raw in key_types else raw
+        k = _KEY_TYPES[key_types[raw]](raw) if raw in key_types else raw  # type: ignore[operator]
         out[k] = read_tree(node, raw, verify, tensors)
     return out
 

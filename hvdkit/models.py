@@ -23,7 +23,8 @@ from torch.utils.data import Dataset, TensorDataset
 
 from .config import MODEL_NAMES
 
-__all__ = ["SmallCNN", "ManyTensorsMLP", "ModelSpec", "MODELS", "build_model", "check_builtin_args", "synthetic_dataset"]
+__all__ = ["SmallCNN", "ManyTensorsMLP", "ModelSpec", "MODELS", "build_model", "check_builtin_args",
+           "synthetic_dataset"]
 
 
 class SmallCNN(nn.Module):

@@ -26,7 +26,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
     A group left empty is dropped (some optimizers refuse empty groups).
     """
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)

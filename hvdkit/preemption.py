@@ -28,10 +28,11 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from .launch.vocabulary import STOP_FILE_VAR  # the sbatch header sets it (elastic jobs)
 from .log import diag, result
 
 if TYPE_CHECKING:
@@ -55,7 +56,6 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 # A file whose appearance means SIGUSR1, for ranks no signal can reach: an elastic job's
 # workers are started by horovodrun over ssh, not by Slurm, so the batch shell traps the
 # signal and creates this file instead (see slurm/_header.sbatch).
-STOP_FILE_VAR = "HVDKIT_STOP_FILE"
 _STOP_FILE_POLL_S = 1.0
 
 

@@ -208,7 +208,7 @@ def collect_results(out: Path, spec: SweepSpec) -> list[dict[str, Any]]:
             found[int(m.group(1))] = path
     rows = []
     for t in sorted(trials, key=lambda t: t["trial"]):
-        path = found.get(t["trial"])
+        path: Path | None = found.get(t["trial"])  # type: ignore[no-redef]
         data = json.loads(path.read_text()) if path else {}
         curve = metric_curve(data, spec.metric)
         status = data.get("status", "completed") if path else "failed"

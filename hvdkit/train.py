@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from . import state as states_mod
 from .asha import AshaTrial
 from .backends import Backend, create_backend
 from .checkpoint import CheckpointManager
@@ -36,6 +37,7 @@ from .config import TrainConfig
 from .data import SampleSeeded, ShardSampler, all_labels, open_datasets, per_rank_batch_size, unwrap_dataset
 from .elastic import ElasticMemory
 from .errors import ConfigError, HvdkitError
+from .faults import hold_point
 from .fileio import write_json_atomic
 from .log import configure as configure_log
 from .log import debug, diag, warn
@@ -53,7 +55,6 @@ from .progress import Progress
 from .samplelog import SampleLog
 from .schedule import LrPlan, warmup_factor
 from .tasks import Task, check_labels, make_task, to_device
-from . import state as states_mod
 
 __all__ = ["TrainResult", "train", "train_step", "make_optimizer", "warmup_factor", "param_digest"]
 
@@ -117,7 +118,7 @@ def train(cfg: TrainConfig, backend: Backend | None = None,
         backend.abort()
         if not (isinstance(exc, RuntimeError) and backend.is_peer_failure(exc)):
             # who failed, for the one-line error 'hvdkit train' prints under the traceback
-            exc.hvdkit_rank = f"rank {backend.rank}/{backend.size} ({backend.name}) on {socket.gethostname()}"
+            exc.hvdkit_rank = f"rank {backend.rank}/{backend.size} ({backend.name}) on {socket.gethostname()}"  # type: ignore[attr-defined]
             raise
         who = _peers_text(backend.rank, result.placement, backend.size)
         resume = f"rerun the job: it resumes from the last checkpoint in {cfg.checkpoint_dir}" \
@@ -364,16 +365,16 @@ def _set_up(cfg: TrainConfig, backend: Backend, log: Callable[[str], None], resu
     wants_val = [flag for flag, on in (("--eval-every", cfg.eval_every),
                                        ("--keep-best", (cfg.keep_best or "").startswith("val_"))) if on]
     if val_data is None and wants_val:
-        err = ConfigError(f"{wants_val[0]} needs validation data, and --dataset {cfg.dataset} gave none",
-                          "return (train, val) from the factory, or add --val-fraction F")
-        err.echo = backend.is_master
-        raise err
+        missing = ConfigError(f"{wants_val[0]} needs validation data, and --dataset {cfg.dataset} gave none",
+                              "return (train, val) from the factory, or add --val-fraction F")
+        missing.echo = backend.is_master
+        raise missing
     samples = SampleLog(cfg.sample_log, backend) if cfg.sample_log else None
     if samples is not None:
         train_data = samples.watch(train_data)
     if cfg.num_workers:
         train_data = SampleSeeded(train_data, cfg.seed)  # augmentation independent of workers
-    geo = _geometry(cfg, backend.size, len(train_data))  # refuses a bad batch here, before any collective
+    geo = _geometry(cfg, backend.size, len(train_data))  # type: ignore[arg-type]  # map-style: sized; refuses a bad batch here, before any collective
     # Ranks start from *different* weights on purpose: the sync (a restore, or rank 0's
     # broadcast) must make them rank 0's, and the tests check that it does.
     torch.manual_seed(cfg.seed + backend.rank)
@@ -421,7 +422,8 @@ def _check_data(run: _Run) -> None:
                 else:
                     check_labels(labels, facts["classes"], where=" (sample {})")
         except HvdkitError as exc:
-            problems.append(f"{name} data does not fit the model: {exc.message}" + (f" HINT: {exc.hint}" if exc.hint else ""))
+            hint = f" HINT: {exc.hint}" if exc.hint else ""
+            problems.append(f"{name} data does not fit the model: {exc.message}{hint}")
         except Exception as exc:  # noqa: BLE001 - the model's own error: one line
             from .errors import first_line
 
@@ -431,7 +433,7 @@ def _check_data(run: _Run) -> None:
     if run.cfg.elastic:  # a newcomer checks while the others train: no collective, each rank says it
         found = problems[:1]
     else:
-        found = run.backend.gather_objects(problems[0] if problems else None)
+        found = run.backend.gather_objects(problems[0] if problems else None)  # type: ignore[arg-type]
     first = next((p for p in found if p), None)
     if first is not None:
         message, _, hint = first.partition(" HINT: ")
@@ -468,9 +470,10 @@ def _enter(run: _Run) -> None:
     for group, lr in zip(run.optimizer.param_groups, run.scheduler.base_lrs):
         group["lr"] = lr * plan.factor(run.step)
     if cfg.asha_dir and run.master and run.asha is None:
-        run.asha = AshaTrial(cfg.asha_dir, cfg.asha_trial)
+        run.asha = AshaTrial(cfg.asha_dir, cfg.asha_trial or 0)  # the config requires both
     if run.master:
-        run.log(f"{backend.describe()}; {cfg.precision}; world {size}, batch {geo.batch}/rank, global {geo.global_batch}, "
+        run.log(f"{backend.describe()}; {cfg.precision}; world {size}, batch {geo.batch}/rank, "
+                f"global {geo.global_batch}, "
                 f"lr {cfg.lr * plan.scale:g}, {geo.steps_per_epoch} steps/epoch, "
                 f"{result.topology['nodes']} node(s) {' '.join(result.topology['hosts'])}, start step "
                 f"{run.step}, slurm restarts {os.environ.get('SLURM_RESTART_COUNT', '0')}, "
@@ -581,6 +584,7 @@ def _one_epoch(run: _Run, sampler: ShardSampler, preemption: Preemption,
         for k, step in enumerate(plan):
             if step.mine == 0:
                 break
+            hold_point("step", at=run.step + 1)  # HVDKIT_HOLD=step:N: a fault lands here (hvdkit.faults)
             # Agree on preemption and earlier non-finite losses while this step computes; in an
             # uneven tail (some rank has joined) nothing but the gradients may be reduced.
             agreement = preemption.begin(run.watch.flag()) if step.full else None

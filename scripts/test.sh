@@ -10,4 +10,8 @@ trap '"$ROOT/scripts/local-cluster.sh" down' EXIT
 # shellcheck disable=SC1091
 source "${HVDKIT_VENV:-$ROOT/.venv}/bin/activate"
 cd "$ROOT"
+# lint and types first: seconds, and a finding fails the run like a test (rules: pyproject.toml)
+shellcheck scripts/*.sh .ci/run
+ruff check hvdkit tests
+mypy
 python -m pytest -q -p no:cacheprovider --durations=25 "$@"

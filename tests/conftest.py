@@ -6,6 +6,7 @@ import pytest
 
 from helpers import launch
 
+
 @pytest.fixture
 def launcher():
     return launch

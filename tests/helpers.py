@@ -18,8 +18,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -205,6 +205,15 @@ def wait_done(job: str, timeout: float = 240, kick_requeued: bool = False) -> st
         time.sleep(1)
     subprocess.run(["scancel", job], timeout=30)
     raise AssertionError(f"job {job} still {job_state(job)} after {timeout}s")
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (the kernel's pick), for a rendezvous of our own."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:

@@ -12,7 +12,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from hvdkit import LocalBackend, BackendConfig, build_model
+from helpers import assert_tree_equal, trained_state
+from hvdkit import BackendConfig, LocalBackend, build_model
 from hvdkit.checkpoint import (
     CheckpointManager,
     Snapshot,
@@ -22,10 +23,9 @@ from hvdkit.checkpoint import (
     verify_checkpoint,
     write_checkpoint,
 )
-from hvdkit.progress import Progress
 from hvdkit.cli import cli
 from hvdkit.errors import CheckpointError
-from helpers import assert_tree_equal, trained_state
+from hvdkit.progress import Progress
 
 
 def test_round_trip_is_exact(tmp_path):

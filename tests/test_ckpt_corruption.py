@@ -11,10 +11,10 @@ import random
 
 import torch
 
+from helpers import assert_tree_equal
 from hvdkit import BackendConfig, LocalBackend, build_model
 from hvdkit.checkpoint import CheckpointManager, read_checkpoint
 from hvdkit.progress import Progress
-from helpers import assert_tree_equal
 
 FLIPS = 600
 

@@ -78,3 +78,49 @@ def test_model_and_optimizer_args_parse_as_yaml_scalars():
                        (["a=1", "a=2"], "is given twice")):
         with pytest.raises(ConfigError, match=words):
             parse_args(bad)
+
+
+def _defaults_and_choices(command) -> dict[str, tuple]:
+    import click
+
+    out = {}
+    for p in command.params:
+        if isinstance(p, click.Option) and p.name:
+            choices = tuple(p.type.choices) if isinstance(p.type, click.Choice) else None
+            out[p.name] = (p.default, choices)
+    return out
+
+
+def test_click_defaults_and_choices_are_the_configs_own():
+    """Every default and choice list of 'hvdkit train' and 'hvdkit slurm' is the dataclasses' and
+    constants' of hvdkit.config / hvdkit.launch.slurm: change one there and the CLI follows."""
+    import dataclasses
+
+    from hvdkit import config
+    from hvdkit.backends.traits import BACKENDS, DEFAULT_BACKEND
+    from hvdkit.cli.slurm_cmd import slurm_command
+    from hvdkit.cli.train_cmd import train_command
+    from hvdkit.launch.slurm import SlurmJob
+
+    train = _defaults_and_choices(train_command)
+    sources = {f.name: f.default for cls in (config.TrainConfig, config.BackendConfig, config.HorovodOptions,
+                                              config.DDPOptions)
+               for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    checked = 0
+    for name, (default, _) in train.items():
+        if name in sources and default is not None and name != "backend":
+            assert default == sources[name], (name, default, sources[name])
+            checked += 1
+    assert checked >= 30, checked
+    assert train["backend"] == (DEFAULT_BACKEND, tuple(BACKENDS)) and config.BackendConfig().name == DEFAULT_BACKEND
+    for option, constant in (("precision", config.PRECISIONS), ("lr_schedule", config.LR_SCHEDULES),
+                             ("on_nonfinite", config.NONFINITE_MODES), ("log_level", config.LOG_LEVELS),
+                             ("compression", config.COMPRESSIONS), ("hvd_op", config.HOROVOD_OPS),
+                             ("hvd_reducer", config.HOROVOD_REDUCERS), ("shard", config.SHARD_MODES),
+                             ("progress", config.PROGRESS_MODES)):
+        assert train[option][1] == tuple(constant), option
+    job = {f.name: f.default for f in dataclasses.fields(SlurmJob) if f.default is not dataclasses.MISSING}
+    slurm = _defaults_and_choices(slurm_command)
+    for name in ("job_name", "nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "time", "signal",
+                 "signal_seconds", "requeue", "elastic_timeout", "backend"):
+        assert slurm[name][0] == job[name], name

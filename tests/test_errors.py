@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from click.testing import CliRunner
 
-from helpers import HVDKIT, base_env, launch
+from helpers import HVDKIT, base_env, free_port, launch
 from hvdkit.cli import cli
 
 
@@ -44,7 +44,7 @@ def test_horovod_not_built_with_torch(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_inconsistent_launcher_environment():
-    env = base_env(RANK="3", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
+    env = base_env(RANK="3", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = subprocess.run([*HVDKIT, "train", "--backend", "ddp"], env=env, text=True,
                           capture_output=True, timeout=60)
     assert proc.returncode == 1

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from helpers import HVDKIT, base_env, bit_rotten_dataset, kill_job, launch, spawn
+from helpers import HVDKIT, base_env, bit_rotten_dataset, free_port, kill_job, launch, spawn
 
 
 @pytest.mark.mp
@@ -17,7 +17,7 @@ def test_ddp_rank_death_stops_the_others_with_a_message_and_rerun_resumes(tmp_pa
     ckpt = tmp_path / "ck"
     args = [*HVDKIT, "train", "--backend", "ddp", "--model", "mlp", "--epochs", "2", "--num-samples", "2048",
             "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", "--ddp-timeout", "30", "--log-every", "1"]
-    env = base_env(MASTER_ADDR="127.0.0.1", MASTER_PORT="29611", WORLD_SIZE="2")
+    env = base_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
     # plain processes (no launcher that would kill the survivor for us)
     procs = [spawn(args, dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import h5py
@@ -66,8 +67,18 @@ def test_missing_file_or_key(tmp_path, h5file):
 @pytest.mark.mp
 @pytest.mark.timeout(200)
 def test_two_rank_training_on_hdf5(tmp_path):
+    """The file's 200 samples are what the ranks train on: 200 / (2 x 25) = 4 steps (the
+    synthetic default would give another count), every sample once (the sample log)."""
     path = tmp_path / "cnn.h5"
-    CliRunner().invoke(cli, ["data", "make-synthetic", str(path), "--model", "mlp", "--num-samples", "256"])
-    out = check(launch("mpirun", 2, [*HVDKIT, "train", "--backend", "ddp", "--model", "mlp",
-                                     "--data", str(path), "--epochs", "1"]))
-    assert "params_identical_on_all_ranks=True" in out
+    made = CliRunner().invoke(cli, ["data", "make-synthetic", str(path), "--model", "mlp", "--num-samples", "200"])
+    assert made.exit_code == 0, made.output
+    metrics = tmp_path / "m.json"
+    check(launch("mpirun", 2, [*HVDKIT, "train", "--backend", "ddp", "--model", "mlp", "--data", str(path),
+                               "--epochs", "1", "--batch-size", "25", "--metrics-file", str(metrics),
+                               "--sample-log", str(tmp_path / "samples.jsonl")]))
+    m = json.loads(metrics.read_text())
+    assert m["global_step"] == 4 and m["params_identical"] is True and m["config"]["data"] == str(path)
+    from hvdkit.samplelog import read_sample_log
+
+    ids = sorted(i for r in read_sample_log(tmp_path / "samples.jsonl") for i in r["ids"])
+    assert ids == list(range(200))

@@ -80,7 +80,8 @@ def test_own_dataset_task_and_optimizer_with_a_cosine_schedule_resume_exactly(tm
             "--dataset-arg", "samples=768", "--model", f"{USER}:regressor", "--model-arg", "width=24",
             "--task", f"{USER}:mse", "--optimizer", "torch.optim:RMSprop", "--optimizer-arg", "alpha=0.9",
             "--weight-decay", "0.01", "--lr", "0.01", "--warmup-epochs", "0.5", "--lr-schedule", "cosine",
-            "--min-lr-ratio", "0.1", "--lr-decay-steps", "54", "--epochs", "3", "--batch-size", "16", "--log-every", "1",
+            "--min-lr-ratio", "0.1", "--lr-decay-steps", "54", "--epochs", "3", "--batch-size", "16",
+            "--log-every", "1",
             "--keep-best", "val_mae"]
     straight, out = launch_metrics("hvd-gloo", 2, [*args, "--checkpoint-dir", str(tmp_path / "a")],
                                    tmp_path / "a.json")

@@ -20,19 +20,19 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
 from helpers import (
     CLUSTER,
     base_env,
     cluster,
     cluster_mode,
+    elastic_one_host,
     read_metrics,
     render,
     sbatch,
-    elastic_one_host,
     wait_done,
     wait_for_text,
 )
-
 from hvdkit.cli import cli
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slurm]

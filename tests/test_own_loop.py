@@ -9,9 +9,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
-import fcntl
 import pty
 import re
 import select

@@ -13,8 +13,8 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from helpers import VENV, final_loss, job_state, render, sbatch, wait_done
 
+from helpers import VENV, final_loss, job_state, render, sbatch, wait_done
 from hvdkit.cli import cli
 
 pytestmark = [pytest.mark.slurm]
@@ -63,12 +63,15 @@ def test_horovod_and_ddp_agree(reference_losses):
 def test_sigusr1_checkpoints_requeues_and_resumes(tmp_path, reference_losses, who):
     """scancel --signal=USR1 reaches the steps; --full also, --batch only, the batch shell (which traps it).
     USR2 (what sites pick when USR1 clashes; the script forwards it too) acts like USR1."""
+    # both ranks wait before step 20 until the signal has reached them (hvdkit.faults): it
+    # lands mid-run whatever the machine's load, never after the last step
     script = render(tmp_path, "preempt", "--backend", "ddp", "--tasks-per-node", "2",
+                    "--env", "HVDKIT_HOLD=step:20", "--env", "HVDKIT_HOLD_RELEASE=signal",
                     "--checkpoint-dir", str(tmp_path / "ck"), "--", *TRAIN)
     job = sbatch(script, tmp_path)
     log_path = tmp_path / f"preempt-{job}.out"
     deadline = time.time() + 120
-    while "epoch 0 loss" not in (log_path.read_text() if log_path.exists() else ""):
+    while (log_path.read_text() if log_path.exists() else "").count("holding at step 20 ") < 2:
         assert time.time() < deadline and job_state(job) in ("PENDING", "RUNNING"), "job never trained"
         time.sleep(0.2)
     # what Slurm does --signal=USR1@90 seconds before the time limit
@@ -77,7 +80,7 @@ def test_sigusr1_checkpoints_requeues_and_resumes(tmp_path, reference_losses, wh
                     job], check=True, timeout=30)
     assert wait_done(job, kick_requeued=True) == "COMPLETED"
     log = log_path.read_text()
-    assert re.search(rf"preempted at step \d+ by SIG{sig}; checkpoint saved; requeued Slurm job", log), log
+    assert re.search(rf"preempted at step 2[01] by SIG{sig}; checkpoint saved; requeued Slurm job", log), log
     assert "restart 1" in log and re.search(r"resumed from .*ckpt-\d+\.h5", log)
     assert ("[sbatch] got SIGUSR1, passing it to the training step" in log) == (who in ("full", "batch"))
     assert final_loss(log) == final_loss(reference_losses["ddp"])  # nothing lost, nothing repeated

@@ -144,7 +144,8 @@ class Backend(ABC):
         only in eval mode: evaluation and the checkpoint use rank 0's, as DDP would.
         """
         for buffer in self.unwrap(model).buffers():
-            buffer.copy_(self.broadcast_object(buffer.detach().cpu() if self.rank == root else None, root))
+            theirs: torch.Tensor = self.broadcast_object(buffer.detach().cpu() if self.rank == root else None, root)  # type: ignore[assignment]
+            buffer.copy_(theirs)
 
     def eval_module(self, model: nn.Module) -> nn.Module:
         """What held-out evaluation runs: the plain module (no gradient hooks, no collective)."""
@@ -184,7 +185,7 @@ class Backend(ABC):
             optimizer.scatter_pending(root)
             return
         state = self.broadcast_object(to_cpu(optimizer.state_dict()) if self.rank == root else None, root)
-        if self.rank != root:
+        if self.rank != root and state is not None:
             optimizer.load_state_dict(state)
 
     @contextlib.contextmanager

@@ -118,7 +118,7 @@ class _BucketedOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, hvd: Any, named_parameters: Sequence[tuple[str, nn.Parameter]],
                  compression: Any, backward_passes_per_step: int, op: Any,
                  gradient_predivide_factor: float, bucket_cap_mb: float) -> None:
-        super(self.__class__, self).__init__(params)  # type: ignore[misc]
+        super(self.__class__, self).__init__(params)  # type: ignore[misc,call-arg]
         self._hvd = hvd
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
@@ -204,7 +204,7 @@ class _BucketedOptimizer(torch.optim.Optimizer):
             out = self._compression.decompress(self._hvd.synchronize(handle), ctx)
             for name, off, n in zip(bucket.names, bucket.offsets, bucket.numels):
                 p = self._params[name]
-                p.grad.copy_(out[off:off + n].view_as(p))
+                p.grad.copy_(out[off:off + n].view_as(p))  # type: ignore[union-attr]  # set by the hook
                 self._delay[id(p)] = self.backward_passes_per_step
             self._waiting[bucket.index] = len(bucket.names)
         self._handles.clear()

@@ -122,7 +122,7 @@ class DDPBackend(Backend):
             gradient_as_bucket_view=opts.gradient_as_bucket_view,
             static_graph=opts.static_graph,
             find_unused_parameters=opts.find_unused_parameters,
-            **{_BUFFER_SYNC_ARG: opts.broadcast_buffers},
+            **{_BUFFER_SYNC_ARG: opts.broadcast_buffers},  # type: ignore[arg-type]
         )
         if opts.compression == "fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

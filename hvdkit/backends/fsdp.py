@@ -104,7 +104,7 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     ``torch.optim`` keys it (``{}`` elsewhere)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    by_name = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
+    by_name: dict[str, Any] = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))  # type: ignore[assignment]
     if not by_name:
         return {}
     index = _index_of(optimizer, model)
@@ -120,7 +120,8 @@ def scatter_model_state(model: nn.Module, is_root: bool) -> None:
     held = _HELD.pop(id(model), None) if is_root else None
     if not _root_holds(is_root, held):
         held = full_model_state(model)  # collective; whole on rank 0 only
-    set_model_state_dict(model, held if is_root else {}, options=_options(broadcast_from_rank0=True))
+    set_model_state_dict(model, held if is_root and held is not None else {},
+                         options=_options(broadcast_from_rank0=True))
 
 
 def _root_holds(is_root: bool, state: Any) -> bool:
@@ -147,4 +148,4 @@ def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, 
                                   for g in held["param_groups"]]}  # type: ignore[index]
     else:
         state = {}
-    set_optimizer_state_dict(model, optimizer, state, options=_options(broadcast_from_rank0=True))
+    set_optimizer_state_dict(model, optimizer, state, options=_options(broadcast_from_rank0=True))  # type: ignore[arg-type]

@@ -232,13 +232,13 @@ class HorovodBackend(Backend):
             return
         # synchronize() explicitly (what step() does first anyway): its wait is the exposed
         # communication, measured for the epoch line
-        optimizer.synchronize()
+        optimizer.synchronize()  # type: ignore[attr-defined]  # hvd.DistributedOptimizer's
         self.comm_wait += time.perf_counter() - started
         if scaler is not None:
             scaler.unscale_(optimizer)
         if clip_grad_norm:
             clip_gradients(optimizer, clip_grad_norm)
-        with optimizer.skip_synchronize():
+        with optimizer.skip_synchronize():  # type: ignore[attr-defined]
             if scaler is not None:
                 scaler.step(optimizer)
             else:

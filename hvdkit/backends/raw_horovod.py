@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from hvdkit.models import build_model, synthetic_dataset
 
-model_name, epochs, num_samples, batch, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+model_name, out = sys.argv[1], sys.argv[5]
+epochs, num_samples, batch = (int(a) for a in sys.argv[2:5])
 hvd.init()
 torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // hvd.local_size()))  # as hvdkit does
 model = build_model(model_name, seed=0)
@@ -30,7 +31,8 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0
 optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 dataset = synthetic_dataset(model_name, num_samples)
-sampler = DistributedSampler(dataset, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True, seed=0, drop_last=True)
+sampler: DistributedSampler = DistributedSampler(dataset, num_replicas=hvd.size(), rank=hvd.rank(),
+                                                 shuffle=True, seed=0, drop_last=True)
 loader = DataLoader(dataset, batch_size=batch, sampler=sampler, drop_last=True)
 rates = []
 for epoch in range(epochs):

@@ -70,7 +70,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.backend = backend
         self.defaults = optimizer.defaults
         self.param_groups = optimizer.param_groups
-        self.state: dict[Any, Any] = {}
+        self.state: dict[Any, Any] = {}  # type: ignore[assignment]  # the state lives in self.local
         self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = {}
         self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = {}
         self.params = [p for g in self.param_groups for p in g["params"]]
@@ -249,9 +249,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Collective: every rank takes from ``root``'s loaded ``state_dict`` the state of the
         parameters it owns, one parameter at a time, and ``root``'s hyper-parameters."""
         full = self._pending if self.backend.rank == root else None
-        hyper = self.backend.broadcast_object(
-            [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-            if self.backend.rank == root else None, root)
+        mine = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        hyper = self.backend.broadcast_object(mine, root)  # root's (every rank sends a same-shaped list)
         for group, h in zip(self.param_groups, hyper):
             group.update(h)
         has_state = self.backend.broadcast_object(bool(full and full["state"]), root)

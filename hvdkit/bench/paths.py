@@ -144,7 +144,8 @@ def _floor(spec: dict[str, Any], np_: int, epochs: int, steps: int, env: dict[st
         metrics = tmp / f"floor{i}.json"
         metrics.unlink(missing_ok=True)
         files.append(metrics)
-        procs.append(subprocess.Popen([*HVDKIT, "train", "--backend", "local", *_train_args(spec, epochs, steps, metrics)],
+        train = [*HVDKIT, "train", "--backend", "local", *_train_args(spec, epochs, steps, metrics)]
+        procs.append(subprocess.Popen(train,
                                       env={**env, "OMP_NUM_THREADS": threads}, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True))
     for p in procs:
@@ -200,7 +201,8 @@ def exp_paths(cfg: Any, rep: Any) -> None:
         fastest = min(paths, key=lambda p: row["paths"][p]["median_s"])
         row["fastest"] = fastest
         if "horovod default" in paths:
-            row["default_over_fastest"] = row["paths"]["horovod default"]["median_s"] / row["paths"][fastest]["median_s"]
+            paths = row["paths"]
+            row["default_over_fastest"] = paths["horovod default"]["median_s"] / paths[fastest]["median_s"]
         rows.append(row)
     rep.summary["paths"] = {"rows": rows, "paths": paths, "notes": notes, "default_controller": default_controller,
                             "rounds": cfg.path_rounds, "epochs": cfg.path_epochs, "steps": cfg.path_steps}

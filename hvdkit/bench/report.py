@@ -174,7 +174,7 @@ def render_plots(rep: Any, out: Path) -> list[Path]:
     if "ab" in s:
         fig, ax = plt.subplots(figsize=(6, 4))
         models = [r["model"] for r in s["ab"]]
-        xs = range(len(models))
+        xs = list(range(len(models)))
         for off, key, label in ((-0.2, "horovod_samples_s", "Horovod"), (0.2, "ddp_samples_s", "DDP")):
             ax.bar([x + off for x in xs], [r[key]["median"] for r in s["ab"]], 0.4,
                    yerr=[r[key]["ci95"] for r in s["ab"]], label=label, capsize=4)

@@ -23,11 +23,11 @@ from typing import Any
 
 from ..environments import usable_cores
 from ..errors import HvdkitError
+from ..fileio import write_json_atomic as write_json
 from ..launch.local import LocalLaunch, build_local_command
 from ..models import build_model
 from .costmodel import fit_alpha_beta, predict_scaling
-from .paths import PATHS, exp_paths
-from ..fileio import write_json_atomic as write_json
+from .paths import exp_paths
 from .stats import environment, ratio_ci, summarize
 
 EXPERIMENTS = ("paths", "reducer", "ab", "fusion", "scaling", "allreduce", "ckpt", "overhead", "model")
@@ -83,7 +83,7 @@ class BenchConfig:
                     ckpt_params_m=100.0, ckpt_rounds=2, overhead_rounds=2, overhead_epochs=3,
                     overhead_samples=1024, reducer_steps=20, reducer_rounds=3)
         base.update(overrides)
-        return cls(**base)
+        return cls(**base)  # type: ignore[arg-type]  # checked by the dataclass
 
 
 @dataclass
@@ -129,7 +129,8 @@ def _block_rate(block: dict[str, Any], batch: int, np: int) -> float:
 
 def _label(v: dict[str, Any]) -> str:
     if v["kind"] == "horovod":
-        return f"horovod fusion={v.get('fusion_mb', 128):g}MB" + (f" cycle={v['cycle_ms']:g}ms" if v.get("cycle_ms") else "")
+        cycle = f" cycle={v['cycle_ms']:g}ms" if v.get("cycle_ms") else ""
+        return f"horovod fusion={v.get('fusion_mb', 128):g}MB{cycle}"
     if v["kind"] == "ddp":
         return f"ddp bucket={v.get('bucket_mb', 25):g}MB"
     return "compute only"
@@ -189,7 +190,8 @@ def exp_reducer(cfg: BenchConfig, rep: Report) -> None:
 
 def exp_ab(cfg: BenchConfig, rep: Report) -> None:
     """Horovod vs DDP at equal settings (fusion threshold = bucket cap = 25 MB), A/B/A/B."""
-    variants = [{"kind": "horovod", "fusion_mb": 25}, {"kind": "ddp", "bucket_mb": 25}, {"kind": "compute"}]
+    variants: list[dict[str, Any]] = [{"kind": "horovod", "fusion_mb": 25}, {"kind": "ddp", "bucket_mb": 25},
+                                      {"kind": "compute"}]
     raw = _job(cfg, cfg.np, _steps_spec(cfg, cfg.models, variants, cfg.rounds))
     rep.results["ab"] = raw
     rows = []
@@ -217,7 +219,7 @@ def exp_ab(cfg: BenchConfig, rep: Report) -> None:
 
 def exp_fusion(cfg: BenchConfig, rep: Report) -> None:
     """Step and communication time vs fusion threshold, cycle time and DDP bucket size (mlp)."""
-    variants = [{"kind": "compute"}]
+    variants: list[dict[str, Any]] = [{"kind": "compute"}]
     variants += [{"kind": "horovod", "fusion_mb": f} for f in cfg.fusion_mb]
     variants += [{"kind": "ddp", "bucket_mb": b} for b in cfg.bucket_mb]
     raw = _job(cfg, cfg.np, _steps_spec(cfg, ("mlp",), variants, max(1, cfg.rounds - 1)))
@@ -247,7 +249,8 @@ def exp_fusion(cfg: BenchConfig, rep: Report) -> None:
 def exp_scaling(cfg: BenchConfig, rep: Report) -> None:
     """Throughput at np = 1, 2, 4 (more ranks than cores is marked oversubscribed)."""
     cores = usable_cores()
-    variants = [{"kind": "horovod", "fusion_mb": 128}, {"kind": "ddp", "bucket_mb": 25}, {"kind": "compute"}]
+    variants: list[dict[str, Any]] = [{"kind": "horovod", "fusion_mb": 128}, {"kind": "ddp", "bucket_mb": 25},
+                                      {"kind": "compute"}]
     raw: dict[str, Any] = {}
     for np in cfg.world_sizes:
         raw[str(np)] = _job(cfg, np, _steps_spec(cfg, cfg.models, variants, 1))

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from ..backends import Backend, LocalBackend
 from ..config import BackendConfig, DDPOptions, HorovodOptions
-from ..models import MODELS, build_model
 from ..fileio import write_json_atomic as write_json
+from ..models import MODELS, build_model
 from .stats import Timer, environment
 
 _DDP: Backend | None = None
@@ -58,7 +58,7 @@ def step_times(backend: Backend, model_name: str, batch: int, warmup: int, steps
     """
     timer = Timer()
     model = build_model(model_name, seed=0)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     model, opt = backend.wrap(model, opt)
     backend.broadcast_state(model, opt)
     gen = torch.Generator().manual_seed(comm.Get_rank())

@@ -148,7 +148,7 @@ def write_checkpoint(path: str | os.PathLike[str], snap: Snapshot) -> Path:
     path = Path(path)
     data = _encode(snap)
     try:
-        return write_bytes_atomic(path, data, durable=True, check_space=True)
+        return write_bytes_atomic(path, data, durable=True, check_space=True, hold="checkpoint-write")
     except OSError as exc:
         raise _write_error(path, exc, len(data)) from None
 

@@ -14,7 +14,9 @@ import click
 
 from ..backends.traits import DEFAULT_BACKEND, LAUNCHABLE
 from ..environments import check_network_interface
+from ..errors import ConfigError
 from ..fileio import write_text_atomic
+from ..launch.elastic import DEFAULT_ELASTIC_TIMEOUT, discover, elastic_interface
 from ..launch.local import (
     CONTROLLERS,
     LocalLaunch,
@@ -27,8 +29,6 @@ from ..launch.local import (
     resolve_launcher,
     training_program,
 )
-from ..errors import ConfigError
-from ..launch.elastic import DEFAULT_ELASTIC_TIMEOUT, discover, elastic_interface
 from ..launch.output import run_with_log
 from ..launch.vocabulary import CONSOLE_TTY_VAR, IFACE_VAR, check_iface_name
 from ..log import debug
@@ -169,7 +169,8 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
                            oversubscribe=oversubscribe, iface=iface,
                            min_np=(min_np or 1) if elastic else None, max_np=(max_np or np) if elastic else None,
                            # horovodrun runs it through a shell: a bare relative name is not found
-                           discovery_script=str(Path(host_discovery_script).resolve()) if elastic else None,
+                           discovery_script=str(Path(host_discovery_script).resolve())
+                           if elastic and host_discovery_script else None,
                            blacklist_cooldown=blacklist_cooldown_range if elastic else None,
                            elastic_nic=nic, elastic_timeout=elastic_timeout if elastic else None)
     except ConfigError as exc:

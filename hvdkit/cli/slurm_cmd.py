@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,12 +14,14 @@ from ..backends.traits import DEFAULT_BACKEND, LAUNCHABLE
 from ..config import HorovodOptions
 from ..errors import ConfigError
 from ..fileio import write_text_atomic
-from ..launch.elastic import DEFAULT_ELASTIC_TIMEOUT
 from ..launch.local import training_program
-from ..launch.vocabulary import ELASTIC_LAUNCHER, iface_env
 from ..launch.slurm import SLURM_LAUNCHERS, SRUN_MPI, SlurmJob, render_sbatch, submit
+from ..launch.vocabulary import ELASTIC_LAUNCHER, iface_env
 from .common import config_option, translate_errors
 from .validate import check_array_params, check_program, check_train_args, is_program
+
+# every default below is SlurmJob's own (tests/test_config.py checks that none drifts)
+JOB = {f.name: f.default for f in dataclasses.fields(SlurmJob) if f.default is not dataclasses.MISSING}
 
 
 def _pairs(values: tuple[str, ...], what: str) -> tuple[tuple[str, str], ...]:
@@ -56,7 +59,7 @@ def build_job(o: dict[str, Any]) -> SlurmJob:
         array_params=o["array_params"], results_dir=o["results_dir"],
         checkpoint_dir=o["checkpoint_dir"], process_group=o["process_group"],
         elastic_min_nodes=(o["min_nodes"] or o["nodes"]) if o["elastic"] else None,
-        blacklist_cooldown=tuple(o["blacklist_cooldown_range"] or (60, 300)),
+        blacklist_cooldown=tuple(o["blacklist_cooldown_range"] or JOB["blacklist_cooldown"]),
         elastic_timeout=o["elastic_timeout"],
     )
 
@@ -71,15 +74,15 @@ def _print_template_dir(ctx: click.Context) -> None:
 @click.command("slurm", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @config_option
 @click.option("--backend", type=click.Choice(LAUNCHABLE), default=DEFAULT_BACKEND, show_default=True)
-@click.option("-J", "--job-name", default="hvdkit", show_default=True)
-@click.option("-N", "--nodes", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--tasks-per-node", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("-J", "--job-name", default=JOB["job_name"], show_default=True)
+@click.option("-N", "--nodes", type=click.IntRange(min=1), default=JOB["nodes"], show_default=True)
+@click.option("--tasks-per-node", type=click.IntRange(min=1), default=JOB["tasks_per_node"], show_default=True,
               help="Ranks per node (= GPUs per node on GPU machines).")
-@click.option("--gpus-per-node", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--gpus-per-node", type=click.IntRange(min=0), default=JOB["gpus_per_node"], show_default=True)
 @click.option("--gpus-per-task", type=click.IntRange(min=1), default=None)
-@click.option("-c", "--cpus-per-task", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("-c", "--cpus-per-task", type=click.IntRange(min=1), default=JOB["cpus_per_task"], show_default=True)
 @click.option("--mem", default=None, help="Memory per node, e.g. 64G.")
-@click.option("-t", "--time", default="01:00:00", show_default=True, help="Time limit (Slurm formats).")
+@click.option("-t", "--time", default=JOB["time"], show_default=True, help="Time limit (Slurm formats).")
 @click.option("-p", "--partition", default=None)
 @click.option("-A", "--account", default=None)
 @click.option("--qos", default=None)
@@ -103,17 +106,18 @@ def _print_template_dir(ctx: click.Context) -> None:
 @click.option("--min-nodes", type=click.IntRange(min=1), default=None,
               help="--elastic: keep training down to this many nodes [default: --nodes].")
 @click.option("--blacklist-cooldown-range", nargs=2, type=click.IntRange(min=1), default=None,
-              help="--elastic: seconds (MIN MAX) before a failed node may rejoin [default: 60 300].")
-@click.option("--elastic-timeout", type=click.IntRange(min=1), default=DEFAULT_ELASTIC_TIMEOUT, show_default=True,
+              help="--elastic: seconds (MIN MAX) before a failed node may rejoin "
+                   f"[default: {' '.join(map(str, JOB['blacklist_cooldown']))}].")
+@click.option("--elastic-timeout", type=click.IntRange(min=1), default=JOB["elastic_timeout"], show_default=True,
               help="--elastic: seconds horovodrun waits for --min-nodes before the job fails.")
 @click.option("--srun-mpi", type=click.Choice(SRUN_MPI), default=None,
               help="srun --mpi plugin for Horovod [default: pmix]; DDP needs none.")
 @click.option("--process-group", type=click.Choice(["gloo", "nccl"]), default=None,
               help="Only to validate DDP GPU requests; the training picks it automatically.")
-@click.option("--signal", default="USR1", show_default=True, help="Signal sent before the time limit.")
-@click.option("--signal-seconds", type=click.IntRange(min=0), default=90, show_default=True,
+@click.option("--signal", default=JOB["signal"], show_default=True, help="Signal sent before the time limit.")
+@click.option("--signal-seconds", type=click.IntRange(min=0), default=JOB["signal_seconds"], show_default=True,
               help="How early (0 = no signal).")
-@click.option("--requeue/--no-requeue", default=True, show_default=True)
+@click.option("--requeue/--no-requeue", default=JOB["requeue"], show_default=True)
 @click.option("--array", default=None, help="Job array spec, e.g. 0-2 or 0-15%4.")
 @click.option("--array-params", default=None, help="File: line i+1 = training options of array task i.")
 @click.option("--results-dir", default=None, help="Each task writes its metrics JSON here.")

@@ -93,7 +93,7 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
         spec = load_space(space)
         overrides = {k: v for k, v in (("scheduler", scheduler), ("eta", eta), ("grace", grace)) if v is not None}
         if overrides:
-            spec = dataclasses.replace(spec, **overrides)  # validated again
+            spec = dataclasses.replace(spec, **overrides)  # type: ignore[arg-type]  # validated again
         from ..sweep import expand_trials
 
         expand_trials(spec)  # a random space's distributions, sampled once now

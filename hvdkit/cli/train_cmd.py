@@ -79,7 +79,7 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
                             shard=o["shard"], horovod=hvd, ddp=ddp)
     args = {name: parse_args(o[name], flag) for name, flag in ARG_LISTS.items()}
     fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"backend", *ARG_LISTS}
-    return TrainConfig(backend=backend, **args, **{k: o[k] for k in fields})
+    return TrainConfig(backend=backend, **args, **{k: o[k] for k in fields})  # type: ignore[arg-type]
 
 
 @click.command("train")
@@ -252,7 +252,8 @@ def usage_checked(options: dict[str, Any]) -> TrainConfig:
 
             check_builtin_args(cfg.model, cfg.model_args)
         for value, args, what in ((cfg.model, cfg.model_args, "--model"), (cfg.dataset, cfg.dataset_args, "--dataset"),
-                                  (cfg.task, {}, "--task"), (cfg.optimizer, {"lr": cfg.lr, **cfg.optimizer_args}, "--optimizer")):
+                                  (cfg.task, {}, "--task"),
+                                  (cfg.optimizer, {"lr": cfg.lr, **cfg.optimizer_args}, "--optimizer")):
             if value and ":" in value:
                 resolve(value, args, what=what, skip=1 if what == "--optimizer" else 0)
     except ConfigError as exc:

@@ -84,7 +84,7 @@ def _unknown_option(exc: click.NoSuchOption, where: str) -> str:
     close = difflib.get_close_matches(name, ours + theirs, n=1, cutoff=0.75)
     prefix = [o for o in ours + theirs if o.startswith(name)]
     guess = prefix[0] if len(prefix) == 1 else (close[0] if close else None)
-    if guess in ours:
+    if guess in ours and outer is not None:
         return (f"{name} is not a training option (it came {where}); did you mean "
                 f"'{outer.command_path} {guess}' (before '--')? HINT: see '{outer.command_path} --help'")
     hint = f"did you mean {guess}? " if guess else ""

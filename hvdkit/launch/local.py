@@ -20,7 +20,8 @@ from ..errors import ConfigError
 from .vocabulary import ELASTIC_LAUNCHER, FORWARDED_VARS, MPIRUN_BASE, iface_env, mpi_env, root_mpi_env
 
 __all__ = [
-    "LAUNCHERS", "CONTROLLERS", "horovod_controller", "parse_hosts", "LocalLaunch", "local_launcher", "build_local_command", "format_command", "root_mpi_env",
+    "LAUNCHERS", "CONTROLLERS", "horovod_controller", "parse_hosts", "LocalLaunch", "local_launcher",
+    "build_local_command", "format_command", "root_mpi_env",
     "training_program", "render_launch_script", "render_discovery_script",
 ]
 

@@ -16,11 +16,20 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..backends.traits import traits
+from ..backends.traits import DEFAULT_BACKEND, traits
 from ..errors import ConfigError, HvdkitError
 from .elastic import DEFAULT_ELASTIC_TIMEOUT
 from .templates import Raw, check_env_name, render_template, template_dir
-from .vocabulary import ELASTIC_LAUNCHER, FORWARDED_VARS, MPI_DEFAULTS, MPIRUN_BASE
+from .vocabulary import (
+    ELASTIC_LAUNCHER,
+    FORWARDED_VARS,
+    MASTER_PORT_BASE,
+    MASTER_PORT_SPAN,
+    MPI_DEFAULTS,
+    MPIRUN_BASE,
+    ROOT_MPI_VARS,
+    STOP_FILE_VAR,
+)
 
 __all__ = ["SlurmJob", "render_sbatch", "submit", "parse_time", "array_indices", "SRUN_MPI",
            "SLURM_LAUNCHERS"]
@@ -93,7 +102,7 @@ class SlurmJob:
     """Everything an hvdkit sbatch script can hold. ``program`` is the command run on every task."""
 
     program: tuple[str, ...]
-    backend: str = "horovod"
+    backend: str = DEFAULT_BACKEND
     job_name: str = "hvdkit"
     nodes: int = 1
     tasks_per_node: int = 1
@@ -242,6 +251,8 @@ def _context(job: SlurmJob, template: str) -> dict[str, Any]:
         "srun_mpi": Raw(job.srun_mpi or traits(job.backend).srun_mpi[0]),
         "launcher": job.launcher,
         "forwarded": [Raw(v) for v in FORWARDED_VARS],
+        "master_port_base": MASTER_PORT_BASE, "master_port_span": MASTER_PORT_SPAN,
+        "root_mpi_exports": Raw(" ".join(f"{v}=1" for v in ROOT_MPI_VARS)), "stop_file_var": Raw(STOP_FILE_VAR),
         "mpi_defaults": [(Raw(k), v) for k, v in MPI_DEFAULTS.items()],
         "mpirun_base": list(MPIRUN_BASE),
         "slots": job.tasks_per_node,  # for the elastic host discovery

@@ -26,6 +26,15 @@ ELASTIC_LAUNCHER = "horovodrun"
 # slot, TCP only (no InfiniBand probing on machines without it).
 MPIRUN_BASE = ("-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib")
 
+# Rank 0's port in a Slurm job when MASTER_PORT is not set: derived from the job id, so every
+# task agrees without talking (as Lightning does); the sbatch header and
+# hvdkit.environments.SlurmEnvironment both use these.
+MASTER_PORT_BASE, MASTER_PORT_SPAN = 15000, 10000
+
+# Elastic jobs: the batch shell touches the file this variable names when Slurm signals it
+# (horovodrun's workers are not Slurm's to signal); hvdkit.preemption watches it.
+STOP_FILE_VAR = "HVDKIT_STOP_FILE"
+
 # Open MPI refuses to run as root unless both are set (containers, this CI).
 ROOT_MPI_VARS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
 

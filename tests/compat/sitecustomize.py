@@ -33,7 +33,8 @@ class _Torchvision(importlib.abc.MetaPathFinder):
                 import torch
 
                 for op in ("nms", "qnms"):
-                    torch.library.define(f"torchvision::{op}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+                    torch.library.define(f"torchvision::{op}",
+                                         "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
                 import torchvision  # noqa: F401, F811
         finally:
             self.busy = False
