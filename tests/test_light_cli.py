@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from helpers import HVDKIT, base_env
+from helpers import HVDKIT, ROOT, base_env
 
 HEAVY = ("torch", "horovod", "mpi4py")
 
@@ -43,3 +43,13 @@ def test_command_imports_no_torch_or_horovod(checkpoint, command):
     assert "hvdkit.cli" in modules  # the import log is really there
     heavy = sorted(m for m in modules if m.split(".")[0] in HEAVY)
     assert not heavy, f"'hvdkit {command}' imported {heavy[:5]}"
+
+
+def test_the_command_reference_is_current():
+    """docs/cli.md is the commands' own --help: regenerate it when an option changes."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "scripts/cli_docs.py", "--check"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

@@ -41,6 +41,10 @@ PATHS: dict[str, dict[str, Any]] = {
     DDP: {"run": ["--backend", "ddp"]},
     "srun horovod": {"srun": "pmix", "backend": "horovod"},
     "srun ddp": {"srun": "none", "backend": "ddp"},
+    # sharding's cost (not in the default list: --paths names them), against unsharded DDP
+    "ddp shard=optimizer": {"run": ["--backend", "ddp"], "train": ["--shard", "optimizer"]},
+    "ddp shard=full": {"run": ["--backend", "ddp"], "train": ["--shard", "full"]},
+    "horovod shard=optimizer": {"run": ["--backend", "horovod"], "train": ["--shard", "optimizer"]},
 }
 
 
@@ -122,7 +126,7 @@ def _one_path(path: str, spec: dict[str, Any], np_: int, epochs: int, steps: int
     metrics = tmp / "m.json"
     metrics.unlink(missing_ok=True)
     how = PATHS[path]
-    train = _train_args(spec, epochs, steps, metrics)
+    train = [*_train_args(spec, epochs, steps, metrics), *how.get("train", [])]
     if "run" in how:
         argv = [*HVDKIT, "run", "-np", str(np_), *how["run"], "--", *train]
     else:  # srun from this (login) node, as the generated sbatch script runs its step
@@ -208,7 +212,7 @@ def exp_paths(cfg: Any, rep: Any) -> None:
                             "rounds": cfg.path_rounds, "epochs": cfg.path_epochs, "steps": cfg.path_steps}
     for row in rows:
         for path in paths:
-            if "horovod" not in path:
+            if "horovod" not in path or "train" in PATHS[path]:  # the target is about launch paths
                 continue
             point, lo, hi = row["paths"][path]["over_ddp"]
             rep.targets.append({"target": f"Horovod at most 1.05x DDP's step time: {path}, {row['model']}",

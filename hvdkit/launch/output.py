@@ -33,6 +33,15 @@ _KILLED_BY_LAUNCHER = "Terminated"
 _CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
 
 
+def untagged(line: str) -> str:
+    """hvdkit's own lines without the launcher's tag: they name their rank already
+    (``[hvdkit]`` is rank 0, ``[hvdkit r1]`` rank 1, ``Error: rank 1/2 ...``)."""
+    m = _TAG.match(line)
+    if m and line[m.end():].startswith(("[hvdkit", "Error: ", "WARNING: ")):
+        return line[m.end():]
+    return line
+
+
 @dataclass
 class ConsoleFilter:
     """Line filter, one state per source tag: shows a line, or hides it (returns ``None``)."""
@@ -126,6 +135,7 @@ def run_with_log(argv: Sequence[str], env: Mapping[str, str], log_dir: str | Non
                 if shown is not None:
                     # horovodrun tags say which stream a worker used; honour them
                     target = err if "<stderr>:" in shown[:16] else sink
+                    shown = untagged(shown)
                     if relay is not None:
                         relay.write(shown, target)
                     else:
