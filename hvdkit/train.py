@@ -730,7 +730,8 @@ def _report_done(run: _Run) -> None:
     if run.ckpt is not None and run.master:
         result.best = run.ckpt.best()
     if backend.is_master:
-        same = all(d == digests[0] for d in digests)
+        # sharded parameters (FSDP) exist once: the same on every rank by construction
+        same = all(d == digests[0] for d in digests) or not backend.replicates_parameters(run.model)
         val = "".join(f" {k}={v!r}" for k, v in result.val.items() if k != "val_count")
         run.log(f"done: backend={backend.name} world={backend.size} final_loss={result.final_loss!r}{val} "
                 f"steps={result.global_step} params_identical_on_all_ranks={same} "

@@ -89,8 +89,11 @@ def test_elastic_on_real_data_shrinks_and_grows_and_sees_every_sample_once_per_e
         if m:
             pids[m.group(1)] = int(m.group(2))
         if phase[0] == 0 and "commit at step 12 " in line:
-            hosts.write_text("localhost:1\n")           # the host goes away ...
-            os.kill(pids["127.0.0.1"], signal.SIGKILL)  # ... and its worker dies mid-epoch
+            # the host's only worker dies mid-epoch: all its workers failed, so the driver
+            # blacklists it and goes on with one (kill first: unlisting it first would let the
+            # driver stop that worker itself if a discovery poll fell in between)
+            os.kill(pids["127.0.0.1"], signal.SIGKILL)
+            hosts.write_text("localhost:1\n")
             phase[0] = 1
         elif phase[0] == 1 and "reset: rank 0 of 1" in line:
             hosts.write_text(f"localhost:1\n{socket.gethostname()}:1\n")  # a worker comes back
@@ -105,7 +108,7 @@ def test_elastic_on_real_data_shrinks_and_grows_and_sees_every_sample_once_per_e
     # What the commits imply: world size per step range, 2048 samples per epoch, 32 per rank.
     commits = [int(c) for c in re.findall(r"commit at step (\d+) ", text)]
     resets = [(int(w), int(s)) for w, s in re.findall(r"reset: rank 0 of (\d) .*?committed step (\d+)", text)]
-    assert [w for w, _ in resets] == [2, 1, 2], resets
+    assert [w for w, _ in resets] == [1, 2], resets
     for _, step in resets:  # every reset continued exactly at a step that had been committed ...
         assert step in commits, (step, commits)
     before_kill = commits[:commits.index(resets[0][1]) + 1]

@@ -4,17 +4,20 @@ sharding modes, backends and world sizes."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import HVDKIT, ROOT, base_env, read_metrics
+from helpers import HVDKIT, ROOT, base_env, read_metrics, render, sbatch, wait_done
 from hvdkit.backends.zero import assign_owners
 from hvdkit.checkpoint import read_checkpoint
 
+USER = ROOT / "tests" / "userland" / "userland.py"
 TRAIN = ["--model", "mlp", "--num-samples", "768", "--batch-size", "16", "--optimizer", "adamw",
          "--lr", "0.002", "--log-every", "0"]
 
@@ -122,3 +125,47 @@ def test_combinations_that_cannot_work_are_refused_in_one_line(args, says):
                           capture_output=True, text=True, timeout=60)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and says in lines[0] and "HINT" in lines[0], proc.stderr
+
+
+CGROUP = Path("/sys/fs/cgroup/memory")
+
+
+def _budget_job(tmp_path, name: str, shard: str, budget: int) -> tuple[str, str, list[dict[str, int]]]:
+    """4 ranks on the 2-node cluster, each in a memory cgroup of ``budget`` bytes, training the
+    42M-parameter wide MLP with AdamW (16 bytes a parameter unsharded: 672 MB of state).
+    Returns the job's state, its log and each rank's cgroup figures; removes the cgroups."""
+    script = render(tmp_path, name, "--backend", "ddp", "-N", "2", "--tasks-per-node", "2", "--no-requeue",
+                    "--env", "MALLOC_MMAP_THRESHOLD_=131072",  # freed tensors go back to the kernel
+                    "--", str(ROOT / "tests" / "workers" / "memory_budget.sh"), str(budget),
+                    "python", "-m", "hvdkit", "train", "--backend", "ddp", "--model", f"{USER}:wide_mlp",
+                    "--dataset", f"{USER}:vectors", "--epochs", "1", "--batch-size", "4", "--optimizer", "adamw",
+                    "--lr", "1e-4", "--shard", shard, "--metrics-file", str(tmp_path / f"{name}.json"))
+    job = sbatch(script, tmp_path)
+    state = wait_done(job, timeout=300)
+    figures = []
+    for cg in sorted(CGROUP.glob(f"hvdkit-budget-{job}-*")):
+        oom = dict(line.split() for line in (cg / "memory.oom_control").read_text().splitlines())
+        figures.append({"max_usage": int((cg / "memory.max_usage_in_bytes").read_text()),
+                        "oom_kill": int(oom.get("oom_kill", 0))})
+        cg.rmdir()  # empty once its rank has exited
+    return state, (tmp_path / f"{name}-{job}.out").read_text(), figures
+
+
+@pytest.mark.multinode
+@pytest.mark.timeout(700)
+@pytest.mark.skipif(not os.access(CGROUP, os.W_OK), reason="no writable cgroup-v1 memory controller here")
+def test_a_model_over_one_ranks_memory_budget_trains_when_fully_sharded_over_four_ranks(tmp_path):
+    """Each rank may use 800 MB. Unsharded, the model's state alone (672 MB) on top of torch's
+    ~330 MB does not fit, and the kernel's OOM killer ends the job; FSDP2 over 4 ranks on 2
+    nodes holds a quarter of it and trains."""
+    budget = 800 * 2**20
+    state, log, figures = _budget_job(tmp_path, "whole", "none", budget)
+    assert state in ("FAILED", "OUT_OF_MEMORY"), (state, log[-2000:])
+    assert any(f["oom_kill"] > 0 for f in figures), (figures, log[-2000:])  # the budget ended it
+    state, log, figures = _budget_job(tmp_path, "sharded", "full", budget)
+    assert state == "COMPLETED", (state, log[-3000:])
+    assert len(figures) == 4 and all(f["oom_kill"] == 0 and f["max_usage"] < budget for f in figures), figures
+    memory = read_metrics(tmp_path / "sharded.json")["memory"]
+    assert all(m["params"] * 4 == pytest.approx(168 * 10**6, rel=0.01) for m in memory), memory
+    print(f"per-rank cgroup peak, sharded over 4: {[f['max_usage'] >> 20 for f in figures]} MiB "
+          f"(budget {budget >> 20} MiB)")

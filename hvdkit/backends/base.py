@@ -164,8 +164,14 @@ class Backend(ABC):
 
     def replica_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """Collective where sharded: the whole model's state as this rank's replica holds it
-        (every rank; compared across ranks at the end of a run)."""
+        (compared across ranks at the end of a run). Where no rank holds a replica
+        (:meth:`replicates_parameters` false) only rank 0 gets the gathered whole."""
         return self.unwrap(model).state_dict()
+
+    def replicates_parameters(self, model: nn.Module) -> bool:
+        """False when each rank holds only part of the parameters (FSDP): then "identical on
+        every rank" holds by construction and only rank 0's gathered digest is reported."""
+        return True
 
     def load_module_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         """Inverse of :meth:`module_state_dict` on this rank."""

@@ -176,8 +176,11 @@ class DDPBackend(Backend):
         return fsdp.full_model_state(model) if fsdp.is_sharded(model) else super().module_state_dict(model)
 
     def replica_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        return fsdp.full_model_state(model, everywhere=True) if fsdp.is_sharded(model) \
-            else super().replica_state_dict(model)
+        # whole on rank 0 only: gathering it on every rank would need the memory sharding saves
+        return fsdp.full_model_state(model) if fsdp.is_sharded(model) else super().replica_state_dict(model)
+
+    def replicates_parameters(self, model: nn.Module) -> bool:
+        return not fsdp.is_sharded(model)
 
     def load_module_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         if fsdp.is_sharded(model):

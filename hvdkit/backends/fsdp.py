@@ -86,11 +86,11 @@ def _options(**kw: Any) -> Any:
     return StateDictOptions(full_state_dict=True, **kw)
 
 
-def full_model_state(model: nn.Module, everywhere: bool = False) -> dict[str, Any]:
-    """Collective: the whole ``state_dict`` on rank 0's CPU (``{}`` elsewhere), or on every rank."""
+def full_model_state(model: nn.Module) -> dict[str, Any]:
+    """Collective: the whole ``state_dict`` on rank 0's CPU (``{}`` elsewhere)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(model, options=_options(cpu_offload=not everywhere))
+    return get_model_state_dict(model, options=_options(cpu_offload=True))
 
 
 def _index_of(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, int]:
