@@ -50,6 +50,8 @@ def plot_runs(runs: list[tuple[str, dict[str, Any]]], out: str | Path, x: str = 
                 if key.startswith("val_") and key not in ("val_loss", "val_count") and key not in extra:
                     extra.append(key)
     extra = extra[:3]
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(1, 1 + len(extra), figsize=(5.2 * (1 + len(extra)), 3.8), squeeze=False)
     loss_ax = axes[0][0]
     for i, (label, data) in enumerate(runs):
@@ -73,6 +75,7 @@ def plot_runs(runs: list[tuple[str, dict[str, Any]]], out: str | Path, x: str = 
         ax.set_title(key)
     for ax in axes[0]:
         ax.set_xlabel("optimizer step" if x == "step" else "epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no epoch 2.5
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)

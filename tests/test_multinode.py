@@ -256,16 +256,23 @@ def test_requeue_resumes_on_another_node(tmp_path, layout_runs, nodes_restored):
 
 
 @pytest.mark.timeout(420)
-def test_node_death_ends_the_job_in_one_line_and_a_rerun_resumes(tmp_path, nodes_restored):
-    ck = tmp_path / "ck"
-    script = render(tmp_path, "crash", "--backend", "ddp", "-N", "2", "--no-requeue",
-                    "--checkpoint-dir", str(ck), "--", "--model", "cnn", "--epochs", "12",
+def _node2_dies_mid_run(tmp_path, name: str, backend: str) -> tuple[Path, str, Path, float]:
+    """A 2-node job that checkpoints every 8 steps; node2 is killed once epoch 1 is logged.
+    Returns (the script, the job, its log, when node2 was killed)."""
+    script = render(tmp_path, name, "--backend", backend, "-N", "2", "--no-requeue",
+                    "--checkpoint-dir", str(tmp_path / "ck"), "--", "--model", "cnn", "--epochs", "12",
                     "--num-samples", "1024", "--batch-size", "16", "--checkpoint-every", "8")
     job = sbatch(script, tmp_path)
-    log_path = tmp_path / f"crash-{job}.out"
+    log_path = tmp_path / f"{name}-{job}.out"
     wait_for_text(log_path, "epoch 1 loss", job)
     killed_at = time.monotonic()
     cluster("kill-node", "node2")
+    return script, job, log_path, killed_at
+
+
+def test_node_death_ends_the_job_in_one_line_and_a_rerun_resumes(tmp_path, nodes_restored):
+    ck = tmp_path / "ck"
+    script, job, log_path, killed_at = _node2_dies_mid_run(tmp_path, "crash", "ddp")
     wait_for_text(log_path, "lost contact", job, timeout=60)
     noticed = time.monotonic() - killed_at
     state = wait_done(job, timeout=120)
@@ -289,13 +296,7 @@ def test_node_death_ends_the_job_in_one_line_and_a_rerun_resumes(tmp_path, nodes
 def test_horovod_mpi_controller_node_death_is_one_line_and_keeps_the_checkpoint(tmp_path, nodes_restored):
     """Horovod over MPI (srun --mpi=pmix, the MPI controller) across 2 nodes: node2 dies."""
     ck = tmp_path / "ck"
-    script = render(tmp_path, "hcrash", "--backend", "horovod", "-N", "2", "--no-requeue",
-                    "--checkpoint-dir", str(ck), "--", "--model", "cnn", "--epochs", "12",
-                    "--num-samples", "1024", "--batch-size", "16", "--checkpoint-every", "8")
-    job = sbatch(script, tmp_path)
-    log_path = tmp_path / f"hcrash-{job}.out"
-    wait_for_text(log_path, "epoch 1 loss", job)
-    cluster("kill-node", "node2")
+    _, job, log_path, _ = _node2_dies_mid_run(tmp_path, "hcrash", "horovod")
     state = wait_done(job, timeout=180)
     log = log_path.read_text()
     assert state in ("FAILED", "NODE_FAIL"), (state, log[-3000:])
