@@ -185,13 +185,10 @@ class BackendConfig:
                               "use --shard optimizer (ZeRO-1/2 on Horovod's reduce-scatter), or "
                               "--backend ddp --shard full (FSDP2)")
         if self.shard != "none":
-            for bad, why in ((self.name == "horovod" and self.horovod.op != "average",
-                              f"--hvd-op {self.horovod.op}"),
-                             (self.horovod.compression != "none" or self.ddp.compression != "none",
-                              "--compression fp16")):
-                if bad:
-                    raise ConfigError(f"--shard {self.shard} cannot be combined with {why} (the sharded "
-                                      "reduction averages plain gradients)", f"drop {why} or --shard")
+            refuse_combinations(f"--shard {self.shard}", (
+                (self.name == "horovod" and self.horovod.op != "average", f"--hvd-op {self.horovod.op}"),
+                (self.horovod.compression != "none" or self.ddp.compression != "none", "--compression fp16")),
+                " (the sharded reduction averages plain gradients)", "drop {why} or --shard")
         if self.accumulation_steps < 1:
             raise ConfigError(
                 f"accumulation_steps must be >= 1, got {self.accumulation_steps}",
@@ -299,19 +296,17 @@ class TrainConfig:
                               "one fixed size, and rank 0, which judges it, may change in an elastic job",
                               "sweep trials run without --elastic")
         if self.backend.shard != "none":
-            for bad, why in ((self.elastic, "--elastic"), (self.uneven, "--uneven"),
-                             (self.precision == "fp16", "--precision fp16 (use bf16)")):
-                if bad:
-                    raise ConfigError(f"--shard {self.backend.shard} cannot be combined with {why}: "
-                                      "every rank must take part in every sharded reduction, and "
-                                      "each holds only its part of the state", f"drop {why} or --shard")
+            refuse_combinations(f"--shard {self.backend.shard}", (
+                (self.elastic, "--elastic"), (self.uneven, "--uneven"),
+                (self.precision == "fp16", "--precision fp16 (use bf16)")),
+                ": every rank must take part in every sharded reduction, and each holds only its part "
+                "of the state", "drop {why} or --shard")
         if self.uneven:
-            for bad, why in ((self.backend.accumulation_steps > 1, "--accumulation-steps above 1"),
-                             (self.elastic, "--elastic"), (self.precision == "fp16", "--precision fp16"),
-                             (self.steps_per_epoch is not None, "--steps-per-epoch")):
-                if bad:
-                    raise ConfigError(f"--uneven cannot be combined with {why} (a rank that has joined "
-                                      "cannot take part in it)", f"drop {why} or --uneven")
+            refuse_combinations("--uneven", (
+                (self.backend.accumulation_steps > 1, "--accumulation-steps above 1"),
+                (self.elastic, "--elastic"), (self.precision == "fp16", "--precision fp16"),
+                (self.steps_per_epoch is not None, "--steps-per-epoch")),
+                " (a rank that has joined cannot take part in it)", "drop {why} or --uneven")
         for name in ("epochs", "batch_size", "num_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", f"raise {name}")
@@ -334,16 +329,22 @@ class TrainConfig:
         if self.backend.name == "horovod" and self.backend.horovod.op == "adasum":
             # Adasum reduces the update a local step made, inside step(): there is no reduced
             # gradient to unscale or clip first (Horovod refuses skip_synchronize with it)
-            for bad, why in ((self.clip_grad_norm is not None, "--clip-grad-norm"),
-                             (self.precision == "fp16", "--precision fp16")):
-                if bad:
-                    raise ConfigError(f"--hvd-op adasum cannot be combined with {why}: Adasum reduces "
-                                      "each rank's update, so there is no reduced gradient to clip "
-                                      "or unscale", f"drop {why}, or use --hvd-op average")
+            refuse_combinations("--hvd-op adasum", (
+                (self.clip_grad_norm is not None, "--clip-grad-norm"), (self.precision == "fp16", "--precision fp16")),
+                ": Adasum reduces each rank's update, so there is no reduced gradient to clip or unscale",
+                "drop {why}, or use --hvd-op average")
         if self.commit_every < 1:
             raise ConfigError("commit_every must be >= 1", "commit at least every step")
         if self.keep_checkpoints < 1:
             raise ConfigError("keep_checkpoints must be >= 1", "keep at least one checkpoint")
+
+
+def refuse_combinations(option: str, combos: tuple[tuple[bool, str], ...], reason: str, hint: str) -> None:
+    """ConfigError for the first ``(bad, why)`` in ``combos`` that holds: "``option`` cannot be
+    combined with ``why``" and ``reason``; ``hint`` may name ``{why}``."""
+    for bad, why in combos:
+        if bad:
+            raise ConfigError(f"{option} cannot be combined with {why}{reason}", hint.format(why=why))
 
 
 def _finite_positive(what: str, value: float) -> None:

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .backends.zero import ShardedOptimizer
+
 __all__ = ["rank_memory"]
 
 
@@ -33,12 +35,13 @@ def _nbytes(tensors: Any) -> int:
 
 def rank_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """This rank's ``params``, ``grads`` and ``optimizer_state`` bytes and ``peak_rss`` bytes."""
-    inner = getattr(optimizer, "local", optimizer)  # hvdkit.backends.zero: the owned part
-    state = [] if inner is None else [v for s in inner.state.values() for v in s.values()]
     params = list(model.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    if inner is not optimizer:  # sharded: the owned parameters' gradients survive the reduction
-        trainable = [optimizer.params[i] for i in optimizer.mine if optimizer.params[i].requires_grad]  # type: ignore[attr-defined]
+    if isinstance(optimizer, ShardedOptimizer):  # the owned part: its state, and its gradients,
+        inner = optimizer.local                  # which are all that survive the reduction
+        trainable = [optimizer.params[i] for i in optimizer.mine if optimizer.params[i].requires_grad]
+    else:
+        inner, trainable = optimizer, [p for p in params if p.requires_grad]
+    state = [] if inner is None else [v for s in inner.state.values() for v in s.values()]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     return {"params": _nbytes(params), "grads": _nbytes(trainable),
             "optimizer_state": _nbytes(state), "peak_rss": int(peak)}

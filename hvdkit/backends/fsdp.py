@@ -21,6 +21,7 @@ round, at any world size. Loading is the reverse: rank 0 *holds* what it read
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -32,8 +33,9 @@ __all__ = ["shard_model", "is_sharded", "model_of", "hold", "full_model_state", 
            "scatter_model_state", "scatter_optimizer_state"]
 
 MIN_UNIT_PARAMS = 100_000  # a block smaller than this is gathered with its parent
-_MODEL_OF: dict[int, nn.Module] = {}  # id(optimizer) -> its sharded model
-_HELD: dict[int, dict[str, Any]] = {}  # id(module or optimizer) -> state rank 0 read
+# weak keys: an optimizer or model that is gone takes its entry (and what it holds) with it
+_MODEL_OF: weakref.WeakKeyDictionary[torch.optim.Optimizer, nn.Module] = weakref.WeakKeyDictionary()
+_HELD: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()  # what rank 0 read
 
 
 def _units(model: nn.Module) -> list[nn.Module]:
@@ -63,7 +65,7 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer,
     params = dict(model.named_parameters())
     rebuilt = same_optimizer(optimizer, [{**hyper, "params": [params[n] for n in group]}
                                          for group, hyper in groups])
-    _MODEL_OF[id(rebuilt)] = model
+    _MODEL_OF[rebuilt] = model
     return model, rebuilt
 
 
@@ -76,12 +78,12 @@ def is_sharded(model: nn.Module) -> bool:
 
 def model_of(optimizer: torch.optim.Optimizer) -> nn.Module | None:
     """The sharded model an optimizer from :func:`shard_model` steps, else None."""
-    return _MODEL_OF.get(id(optimizer))
+    return _MODEL_OF.get(optimizer)
 
 
 def hold(obj: Any, state: dict[str, Any]) -> None:
     """Keep ``state`` (read on rank 0) until the broadcast that follows scatters it."""
-    _HELD[id(obj)] = state
+    _HELD[obj] = state
 
 
 def _options(**kw: Any) -> Any:
@@ -121,7 +123,7 @@ def scatter_model_state(model: nn.Module, is_root: bool) -> None:
     rank 0's current weights when it holds none (a fresh start: all begin from rank 0's)."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    held = _HELD.pop(id(model), None) if is_root else None
+    held = _HELD.pop(model, None) if is_root else None
     if not _root_holds(is_root, held):
         held = full_model_state(model)  # collective; whole on rank 0 only
     set_model_state_dict(model, held if is_root and held is not None else {},
@@ -142,7 +144,7 @@ def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, 
     nothing when it holds none (a fresh optimizer has no state to agree on)."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    held = _HELD.pop(id(optimizer), None) if is_root else None
+    held = _HELD.pop(optimizer, None) if is_root else None
     if not _root_holds(is_root, held):
         return
     if is_root:

@@ -24,7 +24,7 @@ Horovod (``hvd.reducescatter``/``hvd.allgather``) and torch.distributed share th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +45,21 @@ def same_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]
     anything = any(p.kind is p.VAR_KEYWORD for p in takes.values())
     kwargs = {k: v for k, v in optimizer.defaults.items() if anything or k in takes}
     return type(optimizer)(groups, **kwargs)
+
+
+def _indexed(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``groups`` as a ``state_dict`` lists them: hyper-parameters, and parameters by index."""
+    out, at = [], 0
+    for group in groups:
+        n = len(group["params"])
+        out.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(at, at + n))})
+        at += n
+    return out
+
+
+def _entry(state: dict[Any, Any], index: int) -> Any:
+    """A saved parameter's state, keyed by its index (an int, or a string once read from a file)."""
+    return state.get(index, state.get(str(index)))
 
 
 def assign_owners(numels: list[int], world: int) -> list[int]:
@@ -74,6 +89,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = {}
         self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = {}
         self.params = [p for g in self.param_groups for p in g["params"]]
+        self._index_of = {id(p): i for i, p in enumerate(self.params)}
         rank, world = backend.rank, backend.size
         self.owner = assign_owners([p.numel() for p in self.params], world)
         self.mine = [i for i, o in enumerate(self.owner) if o == rank]
@@ -96,31 +112,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._pending: dict[str, Any] | None = None  # a full state dict rank 0 loaded, to scatter
 
     def _index(self, p: torch.Tensor) -> int:
-        for i, q in enumerate(self.params):
-            if q is p:
-                return i
-        raise KeyError("parameter not in the optimizer")
+        return self._index_of[id(p)]
+
+    def _slots(self, dtype: torch.dtype) -> Iterator[tuple[int, torch.Tensor, int]]:
+        """(owner, parameter, offset in the flat buffer) of ``dtype``'s layout, owner by owner."""
+        segments, width = self.layouts[dtype]
+        for r, seg in enumerate(segments):
+            at = r * width
+            for i in seg:
+                yield r, self.params[i], at
+                at += self.params[i].numel()
 
     # -- the step, in three collective parts ---------------------------------------------
     def reduce_gradients(self) -> None:
         """Reduce-scatter: this rank's parameters get the averaged gradients, the rest none."""
         rank = self.backend.rank
         for dtype, (segments, width) in self.layouts.items():
-            device = self.params[segments[rank][0] if segments[rank] else 0].device
-            flat = torch.zeros(width * len(segments), dtype=dtype, device=device)
-            for r, seg in enumerate(segments):
-                at = r * width
-                for i in seg:
-                    p = self.params[i]
-                    if p.grad is not None:
-                        flat[at:at + p.numel()].copy_(p.grad.reshape(-1))
-                    at += p.numel()
+            flat = torch.zeros(width * len(segments), dtype=dtype, device=self.params[0].device)
+            for _, p, at in self._slots(dtype):
+                if p.grad is not None:
+                    flat[at:at + p.numel()].copy_(p.grad.reshape(-1))
             mine = self.backend.reduce_scatter_mean(flat)
-            at = 0
-            for i in segments[rank]:
-                p = self.params[i]
-                p.grad = mine[at:at + p.numel()].view_as(p).clone()
-                at += p.numel()
+            for r, p, at in self._slots(dtype):
+                if r == rank:
+                    at -= rank * width  # this rank's slice starts at its segment
+                    p.grad = mine[at:at + p.numel()].view_as(p).clone()
         for i, p in enumerate(self.params):
             if self.owner[i] != rank:
                 p.grad = None  # ZeRO-2: a rank keeps only the gradients it steps
@@ -160,22 +176,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """All-gather: every rank takes every owner's updated parameters."""
         rank = self.backend.rank
         with torch.no_grad():
-            for dtype, (segments, width) in self.layouts.items():
-                device = self.params[0].device
-                mine = torch.zeros(width, dtype=dtype, device=device)
-                at = 0
-                for i in segments[rank]:
-                    p = self.params[i]
-                    mine[at:at + p.numel()].copy_(p.reshape(-1))
-                    at += p.numel()
+            for dtype, (_, width) in self.layouts.items():
+                mine = torch.zeros(width, dtype=dtype, device=self.params[0].device)
+                for r, p, at in self._slots(dtype):
+                    if r == rank:
+                        at -= rank * width
+                        mine[at:at + p.numel()].copy_(p.reshape(-1))
                 flat = self.backend.all_gather_flat(mine)
-                for r, seg in enumerate(segments):
-                    at = r * width
-                    for i in seg:
-                        p = self.params[i]
-                        if r != rank:
-                            p.copy_(flat[at:at + p.numel()].view_as(p))
-                        at += p.numel()
+                for r, p, at in self._slots(dtype):
+                    if r != rank:
+                        p.copy_(flat[at:at + p.numel()].view_as(p))
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Collective: reduce, step this rank's parameters, gather."""
@@ -208,12 +218,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 state[i] = value
         if self.backend.rank != 0:
             return {}
-        groups, at = [], 0
-        for group in self.param_groups:
-            n = len(group["params"])
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(at, at + n))})
-            at += n
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": _indexed(self.param_groups)}
 
     def _local_order(self) -> list[int]:
         """Global indices of the local optimizer's parameters, in its own order."""
@@ -236,14 +241,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.local is None:
             return
         order = self._local_order()
-        local_state = {k: state.get(i, state.get(str(i))) for k, i in enumerate(order)
-                       if i in state or str(i) in state}
-        groups, at = [], 0
-        for lg in self.local.param_groups:
-            n = len(lg["params"])
-            groups.append({**{k: v for k, v in lg.items() if k != "params"}, "params": list(range(at, at + n))})
-            at += n
-        self.local.load_state_dict({"state": local_state, "param_groups": groups})
+        local_state = {k: _entry(state, i) for k, i in enumerate(order) if _entry(state, i) is not None}
+        self.local.load_state_dict({"state": local_state, "param_groups": _indexed(self.local.param_groups)})
 
     def scatter_pending(self, root: int = 0) -> None:
         """Collective: every rank takes from ``root``'s loaded ``state_dict`` the state of the
@@ -261,8 +260,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for i, owner in enumerate(self.owner):
             if owner == root:
                 continue  # root loaded its own already
-            value = self.backend.broadcast_object(
-                full["state"].get(i, full["state"].get(str(i))) if full is not None else None, root)
+            value = self.backend.broadcast_object(_entry(full["state"], i) if full is not None else None, root)
             if owner == self.backend.rank and value is not None:
                 received[i] = value
         if self.backend.rank != root:

@@ -17,13 +17,13 @@ import subprocess
 from pathlib import Path
 
 from ..errors import ConfigError
+from .vocabulary import HOST_SLOTS
 
 __all__ = ["DEFAULT_ELASTIC_TIMEOUT", "discover", "is_this_machine", "route_interface", "elastic_interface"]
 
 # How long horovodrun's elastic driver may wait for --min-np slots before it gives up with an
 # error (its own default, 600 s, looks like a hang). Documented in docs/elastic.md.
 DEFAULT_ELASTIC_TIMEOUT = 120
-_LINE = re.compile(r"^([A-Za-z0-9_.-]+)(?::(\d+))?$")
 
 
 def discover(script: str, timeout: float = 30.0) -> dict[str, int]:
@@ -46,7 +46,7 @@ def discover(script: str, timeout: float = 30.0) -> dict[str, int]:
         raise ConfigError(f"--host-discovery-script {script} failed: {detail}", "run it by hand to see why")
     hosts: dict[str, int] = {}
     for line in proc.stdout.split():
-        m = _LINE.match(line)
+        m = HOST_SLOTS.match(line)
         if not m or (m.group(2) is not None and int(m.group(2)) < 1):
             raise ConfigError(f"--host-discovery-script {script} printed {line!r}, not host:slots",
                               "print one host:slots per line, e.g. node1:4")

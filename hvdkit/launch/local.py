@@ -8,7 +8,6 @@ tests can compare structures instead of strings.
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
@@ -17,7 +16,15 @@ from dataclasses import dataclass, field
 from .. import __version__
 from ..backends.traits import traits
 from ..errors import ConfigError
-from .vocabulary import ELASTIC_LAUNCHER, FORWARDED_VARS, MPIRUN_BASE, iface_env, mpi_env, root_mpi_env
+from .vocabulary import (
+    ELASTIC_LAUNCHER,
+    FORWARDED_VARS,
+    HOST_SLOTS,
+    MPIRUN_BASE,
+    iface_env,
+    mpi_env,
+    root_mpi_env,
+)
 
 __all__ = [
     "LAUNCHERS", "CONTROLLERS", "horovod_controller", "parse_hosts", "LocalLaunch", "local_launcher",
@@ -62,11 +69,11 @@ def parse_hosts(spec: str) -> list[tuple[str, int]]:
     """``node1:2,node2:2`` -> ``[("node1", 2), ("node2", 2)]``; one-line ConfigError if malformed."""
     out = []
     for item in spec.split(","):
-        host, sep, slots = item.strip().rpartition(":")
-        if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", host) or not slots.isdigit() or int(slots) < 1:
+        m = HOST_SLOTS.match(item.strip())
+        if not m or m.group(2) is None or int(m.group(2)) < 1:
             raise ConfigError(f"-H {spec!r}: {item!r} is not host:slots with slots >= 1",
                               "e.g. -H node1:2,node2:2")
-        out.append((host, int(slots)))
+        out.append((m.group(1), int(m.group(2))))
     return out
 
 

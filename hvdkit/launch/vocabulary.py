@@ -26,6 +26,9 @@ ELASTIC_LAUNCHER = "horovodrun"
 # slot, TCP only (no InfiniBand probing on machines without it).
 MPIRUN_BASE = ("-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib")
 
+# One host as horovodrun reads it, in -H lists and discovery scripts: NAME or NAME:SLOTS.
+HOST_SLOTS = re.compile(r"^([A-Za-z0-9_.-]+)(?::(\d+))?$")
+
 # Rank 0's port in a Slurm job when MASTER_PORT is not set: derived from the job id, so every
 # task agrees without talking (as Lightning does); the sbatch header and
 # hvdkit.environments.SlurmEnvironment both use these.
