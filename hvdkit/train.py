@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 from . import state as states_mod
 from .asha import AshaTrial
 from .backends import Backend, create_backend
+from .backends.zero import ShardedOptimizer
 from .checkpoint import CheckpointManager
 from .config import TrainConfig
 from .data import SampleSeeded, ShardSampler, all_labels, open_datasets, per_rank_batch_size, unwrap_dataset
@@ -71,6 +72,8 @@ class TrainResult:
     val: dict[str, float] = field(default_factory=dict)           # the last validation metrics
     best: dict[str, Any] | None = None                            # --keep-best's record
     global_step: int = 0
+    start_step: int = 0                 # the step this run (its last sync, if elastic) started at
+    resumed_from: str | None = None     # the checkpoint it restored, if any
     preempted: bool = False
     requeued: bool = False  # preempted and Slurm accepted the requeue
     requeue: str = ""
@@ -83,6 +86,8 @@ class TrainResult:
     asha: list[dict] = field(default_factory=list)  # the rung decisions, with their numbers
     partial_loss: float | None = None  # stopped mid-epoch (--max-steps): that epoch's loss so far
     memory: list[dict] = field(default_factory=list)  # per rank: bytes held (hvdkit.memory)
+    # --shard optimizer, rank 0: gradient buckets, and how many started while backward still ran
+    shard_overlap: dict = field(default_factory=dict)
 
     @property
     def final_loss(self) -> float:
@@ -271,6 +276,7 @@ class _Run:
             states_mod.broadcast(self.states, self.backend, root=0)
         if restored is not None:
             self.saved_step, self.saved_name = restored.step, restored.path.name
+            self.result.resumed_from = str(restored.path)
 
     def loaded(self, rolled_back_from: int | None = None,
                held: list[tuple[int, float]] | None = None) -> None:
@@ -471,6 +477,7 @@ def _enter(run: _Run) -> None:
         group["lr"] = lr * plan.factor(run.step)
     if cfg.asha_dir and run.master and run.asha is None:
         run.asha = AshaTrial(cfg.asha_dir, cfg.asha_trial or 0)  # the config requires both
+    result.start_step = run.step
     if run.master:
         run.log(f"{backend.describe()}; {cfg.precision}; world {size}, batch {geo.batch}/rank, "
                 f"global {geo.global_batch}, "
@@ -721,6 +728,8 @@ def _report_done(run: _Run) -> None:
     backend, result, cfg = run.backend, run.result, run.cfg
     backend.sync_buffers(run.model)  # rank 0's BatchNorm statistics, as the checkpoint holds
     result.memory = backend.gather_objects(rank_memory(backend.unwrap(run.model), run.optimizer))
+    if isinstance(run.optimizer, ShardedOptimizer):
+        result.shard_overlap = dict(run.optimizer.overlap)
     digests = backend.gather_objects(param_digest(backend.replica_state_dict(run.model)))
     result.param_digest = digests[0]
     result.history = run.progress.history

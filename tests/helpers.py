@@ -207,6 +207,19 @@ def wait_done(job: str, timeout: float = 240, kick_requeued: bool = False) -> st
     raise AssertionError(f"job {job} still {job_state(job)} after {timeout}s")
 
 
+def preempt_when_logged(job: str, log: Path, pattern: str, timeout: float) -> str:
+    """Wait for ``pattern`` in the job's log (failing if the job leaves PENDING/RUNNING first),
+    send it SIGUSR1 as Slurm's ``--signal`` would, wait for it to be requeued and complete;
+    return the whole log."""
+    deadline = time.time() + timeout
+    while not re.search(pattern, log.read_text() if log.exists() else ""):
+        assert time.time() < deadline and job_state(job) in ("PENDING", "RUNNING"), "job never trained"
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=30)
+    assert wait_done(job, timeout=timeout + 160, kick_requeued=True) == "COMPLETED"
+    return log.read_text()
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now (the kernel's pick), for a rendezvous of our own."""
     import socket

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from helpers import HVDKIT, base_env, bit_rotten_dataset, free_port, kill_job, launch, spawn
+from helpers import HVDKIT, base_env, bit_rotten_dataset, free_port, kill_job, launch, launch_metrics, spawn
 
 
 @pytest.mark.mp
@@ -45,10 +45,9 @@ def test_ddp_rank_death_stops_the_others_with_a_message_and_rerun_resumes(tmp_pa
     saved = sorted(int(p.name[5:14]) for p in ckpt.glob("ckpt-*.h5"))
     assert saved and saved[-1] >= 10
     # the rerun (both ranks) picks up from the newest checkpoint
-    rerun = launch("mpirun", 2, args, timeout=200)
-    assert rerun.returncode == 0, rerun.stdout[-3000:]
-    assert f"start step {saved[-1]}" in rerun.stdout
-    assert "params_identical_on_all_ranks=True" in rerun.stdout
+    rerun, _ = launch_metrics("mpirun", 2, args, tmp_path / "rerun.json", timeout=200)
+    assert rerun["start_step"] == saved[-1] and rerun["resumed_from"] == str(ckpt / f"ckpt-{saved[-1]:09d}.h5")
+    assert rerun["params_identical"] is True
 
 
 @pytest.mark.mp

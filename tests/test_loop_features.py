@@ -63,9 +63,9 @@ def test_workers_with_random_augmentation_resume_exactly_and_do_not_depend_on_th
     three, _ = launch_metrics("mpirun", 2, [*base, "--num-workers", "3"], tmp_path / "c.json")
     check(launch("mpirun", 2, [*base, "--num-workers", "2", "--max-steps", "11", "--checkpoint-dir",
                                str(tmp_path / "b")]))
-    resumed, out = launch_metrics("mpirun", 2, [*base, "--num-workers", "2", "--checkpoint-dir", str(tmp_path / "b")],
-                                  tmp_path / "b.json")
-    assert "start step 11" in out and resumed["global_step"] == two["global_step"] == 32
+    resumed, _ = launch_metrics("mpirun", 2, [*base, "--num-workers", "2", "--checkpoint-dir", str(tmp_path / "b")],
+                                tmp_path / "b.json")
+    assert resumed["start_step"] == 11 and resumed["global_step"] == two["global_step"] == 32
     assert resumed["param_digest"] == two["param_digest"] == three["param_digest"]
     assert resumed["final_loss"] == two["final_loss"]
     # and the augmentation is really random: without workers (the main process's generators) it differs
@@ -86,9 +86,9 @@ def test_own_dataset_task_and_optimizer_with_a_cosine_schedule_resume_exactly(tm
     straight, out = launch_metrics("hvd-gloo", 2, [*args, "--checkpoint-dir", str(tmp_path / "a")],
                                    tmp_path / "a.json")
     check(launch("hvd-gloo", 2, [*args, "--max-steps", "25", "--checkpoint-dir", str(tmp_path / "b")]))
-    resumed, out_b = launch_metrics("hvd-gloo", 2, [*args, "--checkpoint-dir", str(tmp_path / "b")],
-                                    tmp_path / "b.json")
-    assert "start step 25" in out_b
+    resumed, _ = launch_metrics("hvd-gloo", 2, [*args, "--checkpoint-dir", str(tmp_path / "b")],
+                                tmp_path / "b.json")
+    assert resumed["start_step"] == 25 and resumed["resumed_from"].endswith("ckpt-000000025.h5")
     assert resumed["param_digest"] == straight["param_digest"] and resumed["final_loss"] == straight["final_loss"]
     assert resumed["val_mae"] == straight["val_mae"] < 1.0 and resumed["val_count"] == 192
     # warm-up for half an epoch (9 steps of 18), then cosine from 0.02 (2 ranks) to a tenth of it

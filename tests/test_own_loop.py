@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from helpers import HVDKIT, PY, ROOT, base_env, check, job_state, launch, read_metrics, render, sbatch, wait_done
+from helpers import HVDKIT, PY, ROOT, base_env, check, launch, preempt_when_logged, read_metrics, render, sbatch
 
 LOOP = str(ROOT / "examples" / "custom_loop.py")
 KINDS = {"horovod": "hvd-gloo", "ddp": "mpirun"}
@@ -43,14 +43,7 @@ def test_custom_loop_preempted_in_slurm_checkpoints_requeues_and_resumes_exactly
     script = render(tmp_path, "loop", "--backend", backend, "--tasks-per-node", "2", "--",
                     "python", LOOP, "--backend", backend, "--checkpoint-dir", str(tmp_path / "ck"))
     job = sbatch(script, tmp_path)
-    log = tmp_path / f"loop-{job}.out"
-    deadline = time.time() + 180
-    while "epoch 0 val_loss" not in (log.read_text() if log.exists() else ""):
-        assert time.time() < deadline and job_state(job) in ("PENDING", "RUNNING"), "job never trained"
-        time.sleep(0.2)
-    subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=30)
-    assert wait_done(job, timeout=300, kick_requeued=True) == "COMPLETED"
-    text = log.read_text()
+    text = preempt_when_logged(job, tmp_path / f"loop-{job}.out", "epoch 0 val_loss", timeout=180)
     step = int(re.search(r"preempted at step (\d+) by SIGUSR1; checkpoint saved; requeued Slurm job", text).group(1))
     assert "restart 1" in text and re.search(rf"resumed from \S+ckpt-{step:09d}\.h5 \(step {step}\)", text), text
     assert _done(text) == _done(straight)  # the same steps and the same weights, bit for bit

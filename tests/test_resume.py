@@ -29,8 +29,8 @@ def test_interrupted_run_equals_uninterrupted_bitwise(tmp_path, backend, kind):
     straight, _ = launch_metrics(kind, 2, [*args, "--checkpoint-dir", str(tmp_path / "a")], tmp_path / "a.json")
     first = check(launch(kind, 2, [*args, "--checkpoint-dir", str(tmp_path / "b"), "--max-steps", "4"]))
     assert "stopped at max_steps=4" in first
-    second, out = launch_metrics(kind, 2, [*args, "--checkpoint-dir", str(tmp_path / "b")], tmp_path / "b.json")
-    assert "start step 4" in out
+    second, _ = launch_metrics(kind, 2, [*args, "--checkpoint-dir", str(tmp_path / "b")], tmp_path / "b.json")
+    assert second["start_step"] == 4 and second["resumed_from"] == str(tmp_path / "b" / "ckpt-000000004.h5")
     assert straight["final_loss"] == second["final_loss"] and second["global_step"] == 12
     a = read_checkpoint(tmp_path / "a" / "ckpt-000000012.h5")
     b = read_checkpoint(tmp_path / "b" / "ckpt-000000012.h5")
@@ -52,10 +52,12 @@ def test_resume_with_a_different_world_size(tmp_path):
     check(launch("mpirun", 2, [*args, "--backend", "ddp", "--max-steps", "4"]))
     # 4 steps at np=2 consumed 256 samples of epoch 0; at np=1 the rest of epoch 0 is
     # (1024-256)/32 = 24 steps, epoch 1 is 32: 60 steps in all.
-    proc = subprocess.run([*args, "--backend", "local"], env=base_env(), capture_output=True, text=True,
-                          timeout=200)
+    metrics = tmp_path / "one.json"
+    proc = subprocess.run([*args, "--backend", "local", "--metrics-file", str(metrics)], env=base_env(),
+                          capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "start step 4" in proc.stdout and "steps=60" in proc.stdout
+    one = read_metrics(metrics)
+    assert one["start_step"] == 4 and one["global_step"] == 60 and one["world_size"] == 1
 
 
 def mpmd(program: list[str], dirs: list[Path]) -> list[str]:

@@ -6,7 +6,6 @@ import contextlib
 import os
 import re
 import socket
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from typing import Any, Protocol, TypeVar
@@ -213,15 +212,9 @@ class Backend(ABC):
         config refuses fp16 with sharding).
         """
         if isinstance(optimizer, ShardedOptimizer):
-            started = time.perf_counter()
-            optimizer.reduce_gradients()
-            self.comm_wait += time.perf_counter() - started
-            if clip_grad_norm:
-                optimizer.clip_grad_norm_(clip_grad_norm)
-            optimizer.local_step()
-            started = time.perf_counter()
-            optimizer.gather_parameters()
-            self.comm_wait += time.perf_counter() - started
+            waited = optimizer.waited
+            optimizer.step(clip_grad_norm=clip_grad_norm)
+            self.comm_wait += optimizer.waited - waited
             return
         if clip_grad_norm:
             if scaler is not None:
@@ -309,15 +302,31 @@ class Backend(ABC):
         """Sum ``tensor`` across ranks in place: the bare collective (the bandwidth bench times it)."""
         return tensor.copy_(self.allreduce_tensor(tensor, "sum"))
 
-    def reduce_scatter_mean(self, flat: torch.Tensor) -> torch.Tensor:
-        """Average ``flat`` (a length divisible by the world size) across ranks and return this
-        rank's contiguous 1/N of it (``--shard optimizer``). This fallback reduces it all."""
+    # Asynchronous collectives of --shard optimizer (hvdkit.backends.zero): each starts now and
+    # returns the function that waits for its result; ``name`` tells concurrent ones apart
+    # (Horovod matches operations across ranks by name). These fallbacks finish at once.
+    def start_reduce_scatter_mean(self, flat: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
+        """Average ``flat`` (a length divisible by the world size) across ranks; the result is
+        this rank's contiguous 1/N of it."""
         n = flat.numel() // self.size
-        return self.allreduce_tensor(flat, "mean")[self.rank * n:(self.rank + 1) * n].clone()
+        out = self.allreduce_tensor(flat, "mean")[self.rank * n:(self.rank + 1) * n].clone()
+        return lambda: out
 
-    def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+    def start_all_gather_flat(self, shard: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
         """Every rank's equal-length 1D ``shard``, concatenated in rank order, on every rank."""
-        return torch.cat([t.to(shard.device) for t in self.gather_objects(shard.detach().cpu())])
+        out = torch.cat([t.to(shard.device) for t in self.gather_objects(shard.detach().cpu())])
+        return lambda: out
+
+    def start_allreduce_mean(self, tensor: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
+        """``tensor`` averaged across ranks (a new tensor)."""
+        out = self.allreduce_tensor(tensor, "mean")
+        return lambda: out
+
+    def start_broadcast_(self, tensor: torch.Tensor, root: int, name: str) -> Callable[[], torch.Tensor]:
+        """Overwrite ``tensor`` in place with ``root``'s."""
+        theirs: torch.Tensor = self.broadcast_object(tensor.detach().cpu() if self.rank == root else None, root)  # type: ignore[assignment]
+        tensor.copy_(theirs)
+        return lambda: tensor
 
     def allreduce_metric(self, value: float | torch.Tensor, op: str = "mean") -> float:
         """Reduce one scalar across ranks and return it as a Python float."""

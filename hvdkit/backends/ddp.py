@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..config import BackendConfig
 from ..environments import ClusterEnvironment, detect_environment
 from ..errors import HvdkitError, first_line
+from ..log import debug
 from . import fsdp
 from .base import Backend, to_cpu
 from .zero import ShardedOptimizer
@@ -37,6 +38,15 @@ _BUFFER_SYNC_ARG = (
     else "broadcast_buffers"
 )
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _when_done(work: Any, result: Callable[[], T]) -> Callable[[], T]:
+    """The wait function of an asynchronous torch.distributed ``work``: wait, then ``result()``."""
+    def wait() -> T:
+        work.wait()
+        return result()
+
+    return wait
 
 
 class DDPBackend(Backend):
@@ -109,7 +119,8 @@ class DDPBackend(Backend):
         opts = self.config.ddp
         model = model.to(self.device)  # keeps Parameter identity, so optimizer stays valid
         if self.config.shard == "optimizer":  # ZeRO-1/2: gradients reduce-scattered by the optimizer
-            return model, ShardedOptimizer(optimizer, self)
+            return model, ShardedOptimizer(optimizer, self, bucket_cap_mb=opts.bucket_cap_mb,
+                                           backward_passes=self.config.accumulation_steps)
         if self.config.shard == "full":
             # rank 0's whole weights first: once sharded, a "whole model" is every rank's part
             # of its own initialisation, and no rank holds rank 0's any more
@@ -258,15 +269,23 @@ class DDPBackend(Backend):
         dist.all_reduce(tensor)
         return tensor
 
-    def reduce_scatter_mean(self, flat: torch.Tensor) -> torch.Tensor:
+    def start_reduce_scatter_mean(self, flat: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
         out = torch.empty(flat.numel() // self._size, dtype=flat.dtype, device=flat.device)
-        dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM)
-        return out.div_(self._size)
+        work = dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, async_op=True)
+        return _when_done(work, lambda: out.div_(self._size))  # gloo has no AVG
 
-    def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
+    def start_all_gather_flat(self, shard: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
         out = torch.empty(shard.numel() * self._size, dtype=shard.dtype, device=shard.device)
-        dist.all_gather_into_tensor(out, shard.contiguous())
-        return out
+        work = dist.all_gather_into_tensor(out, shard.contiguous(), async_op=True)
+        return _when_done(work, lambda: out)
+
+    def start_allreduce_mean(self, tensor: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+        return _when_done(work, lambda: tensor.div_(self._size))
+
+    def start_broadcast_(self, tensor: torch.Tensor, root: int, name: str) -> Callable[[], torch.Tensor]:
+        work = dist.broadcast(tensor, src=root, async_op=True)
+        return _when_done(work, lambda: tensor)
 
     def allreduce_tensor(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         if op not in _REDUCE_OPS:
@@ -280,18 +299,24 @@ class DDPBackend(Backend):
     def start_any_flags(self, flags: Sequence[bool | torch.Tensor]) -> Callable[[], list[bool]]:
         t = self._flag_tensor(flags)
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
-
-        def wait() -> list[bool]:
-            work.wait()
-            return [bool(v > 0.5) for v in t.tolist()]
-
-        return wait
+        return _when_done(work, lambda: [bool(v > 0.5) for v in t.tolist()])
 
     def barrier(self) -> None:
         if self.pg_backend == "nccl":
             dist.barrier(device_ids=[self.device.index])
         else:
             dist.barrier()
+
+    def _exit_barrier(self) -> None:
+        """The last collective. A peer may already be gone without anything lost: Slurm ends a
+        requeued job's step as soon as rank 0 has saved and requeued it, so the other ranks can
+        be killed before they reach this barrier. That is no error of this run."""
+        try:
+            self.barrier()
+        except RuntimeError as exc:
+            if not self.is_peer_failure(exc):
+                raise
+            debug(f"exit barrier: a peer had gone already ({self.failure_summary(exc)})")
 
     def shutdown(self) -> None:
         if self._owns_group and dist.is_initialized():
@@ -303,7 +328,7 @@ class DDPBackend(Backend):
             gc.collect()
             try:
                 if not self._aborted:  # a barrier with a dead peer would hang
-                    self.barrier()
+                    self._exit_barrier()
             finally:
                 dist.destroy_process_group()
                 gc.collect()

@@ -99,7 +99,20 @@ def full_model_state(model: nn.Module) -> dict[str, Any]:
     return get_model_state_dict(model, options=_options(cpu_offload=True))
 
 
+def _reshard(model: nn.Module) -> None:
+    """Register every unit's sharded parameters again. A forward pass without backward (the
+    data check, evaluation) leaves the root unit's parameters gathered, and registered in
+    place of the sharded ones the optimizer steps: its parameters would then not be found
+    in the model (a resume failed so) and a load would write into the gathered copies."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _index_of(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, int]:
+    _reshard(model)
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     return {name: i for i, name in enumerate(order)}
@@ -124,10 +137,12 @@ def scatter_model_state(model: nn.Module, is_root: bool) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     held = _HELD.pop(model, None) if is_root else None
+    _reshard(model)
     if not _root_holds(is_root, held):
         held = full_model_state(model)  # collective; whole on rank 0 only
     set_model_state_dict(model, held if is_root and held is not None else {},
                          options=_options(broadcast_from_rank0=True))
+    _reshard(model)
 
 
 def _root_holds(is_root: bool, state: Any) -> bool:
@@ -147,6 +162,7 @@ def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, 
     held = _HELD.pop(optimizer, None) if is_root else None
     if not _root_holds(is_root, held):
         return
+    _reshard(model)
     if is_root:
         names = {i: n for n, i in _index_of(optimizer, model).items()}
         state = {"state": {names[int(i)]: v for i, v in held["state"].items()},  # type: ignore[index]

@@ -138,7 +138,8 @@ class HorovodBackend(Backend):
         opts = self.config.horovod
         model = model.to(self.device)
         if self.config.shard == "optimizer":  # ZeRO-1/2 on hvd.reducescatter/allgather
-            self._optimizer = ShardedOptimizer(optimizer, self)
+            self._optimizer = ShardedOptimizer(optimizer, self, bucket_cap_mb=opts.bucket_cap_mb,
+                                               backward_passes=self.config.accumulation_steps)
             return model, self._optimizer
         compression = self.hvd.Compression.fp16 if opts.compression == "fp16" else self.hvd.Compression.none
         common = dict(named_parameters=list(model.named_parameters()), compression=compression,
@@ -315,11 +316,21 @@ class HorovodBackend(Backend):
     def allreduce_(self, tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
         return self.hvd.allreduce_(tensor, op=self.hvd.Sum, name=name or self._name("allreduce"))  # type: ignore[no-any-return]
 
-    def reduce_scatter_mean(self, flat: torch.Tensor) -> torch.Tensor:
-        return self.hvd.reducescatter(flat, op=self.hvd.Average, name=self._name("zero.rs"))  # type: ignore[no-any-return]
+    def start_reduce_scatter_mean(self, flat: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
+        handle = self.hvd.reducescatter_async(flat, op=self.hvd.Average, name=f"hvdkit.{name}.rs")
+        return lambda: self.hvd.synchronize(handle)  # type: ignore[no-any-return]
 
-    def all_gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
-        return self.hvd.allgather(shard, name=self._name("zero.ag"))  # type: ignore[no-any-return]
+    def start_all_gather_flat(self, shard: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
+        handle = self.hvd.allgather_async(shard, name=f"hvdkit.{name}.ag")
+        return lambda: self.hvd.synchronize(handle)  # type: ignore[no-any-return]
+
+    def start_allreduce_mean(self, tensor: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
+        handle = self.hvd.allreduce_async(tensor, op=self.hvd.Average, name=f"hvdkit.{name}.ar")
+        return lambda: self.hvd.synchronize(handle)  # type: ignore[no-any-return]
+
+    def start_broadcast_(self, tensor: torch.Tensor, root: int, name: str) -> Callable[[], torch.Tensor]:
+        handle = self.hvd.broadcast_async_(tensor, root_rank=root, name=f"hvdkit.{name}.bc")
+        return lambda: self.hvd.synchronize(handle)  # type: ignore[no-any-return]
 
     def start_any_flags(self, flags: Sequence[bool | torch.Tensor]) -> Callable[[], list[bool]]:
         handle = self.hvd.allreduce_async(self._flag_tensor(flags), op=self.hvd.Max,

@@ -170,7 +170,8 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
 @_opt("--stall-shutdown-s", type=click.IntRange(min=0), default=None,
       help="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS.")
 @_opt("--bucket-cap-mb", type=click.FloatRange(min=0, min_open=True), default=DDP["bucket_cap_mb"],
-      help="Gradient bucket size in MiB, for DDP and the bucketed Horovod reducer.")
+      help="Gradient bucket size in MiB, for DDP and the bucketed Horovod reducer; the largest "
+           "--shard optimizer bucket (a quarter of the model if less, at least 1 MiB).")
 @_opt("--gradient-as-bucket-view/--no-gradient-as-bucket-view", default=DDP["gradient_as_bucket_view"])
 @_opt("--static-graph/--no-static-graph", default=DDP["static_graph"])
 @_opt("--broadcast-buffers/--no-broadcast-buffers", default=DDP["broadcast_buffers"],
