@@ -112,7 +112,7 @@ def _reshard(model: nn.Module) -> None:
 
 
 def _index_of(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, int]:
-    _reshard(model)
+    """Parameter name -> its index in ``optimizer`` (the model resharded: see :func:`_reshard`)."""
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     return {name: i for i, name in enumerate(order)}
@@ -123,6 +123,7 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     ``torch.optim`` keys it (``{}`` elsewhere)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    _reshard(model)
     by_name: dict[str, Any] = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))  # type: ignore[assignment]
     if not by_name:
         return {}
@@ -142,7 +143,6 @@ def scatter_model_state(model: nn.Module, is_root: bool) -> None:
         held = full_model_state(model)  # collective; whole on rank 0 only
     set_model_state_dict(model, held if is_root and held is not None else {},
                          options=_options(broadcast_from_rank0=True))
-    _reshard(model)
 
 
 def _root_holds(is_root: bool, state: Any) -> bool:

@@ -93,18 +93,22 @@ def plan_buckets(numels: list[int], keys: list[Any], element_bytes: list[int], w
     bucket (then the least overall, then the lowest rank), so every rank computes one plan."""
     owner = [0] * len(numels)
     total_load = [0] * world
-    open_: dict[Any, list[int]] = {}
+    open_: dict[Any, tuple[list[int], int]] = {}  # key -> (members, their bytes)
     closed: list[list[int]] = []
     for i in reversed(range(len(numels))):
-        members = open_.setdefault(keys[i], [])
+        members, filled = open_.get(keys[i], ([], 0))
         size = numels[i] * element_bytes[i]
-        if members and sum(numels[j] * element_bytes[j] for j in members) + size > cap_bytes:
-            closed.append(open_.pop(keys[i]))
-            members = open_.setdefault(keys[i], [])
+        if members and filled + size > cap_bytes:
+            closed.append(open_.pop(keys[i])[0])
+            members, filled = [], 0
         members.append(i)
-        if sum(numels[j] * element_bytes[j] for j in members) >= cap_bytes:
-            closed.append(open_.pop(keys[i]))
-    closed.extend(open_.values())
+        filled += size
+        if filled >= cap_bytes:
+            closed.append(members)
+            open_.pop(keys[i], None)
+        else:
+            open_[keys[i]] = (members, filled)  # a key already open keeps its place
+    closed.extend(members for members, _ in open_.values())
     buckets = []
     for index, members in enumerate(closed):
         load = [0] * world
@@ -155,10 +159,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.params = [p for g in self.param_groups for p in g["params"]]
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         rank = backend.rank
-        sizes = [p.numel() * p.element_size() for p in self.params]
+        numels, element_bytes = [p.numel() for p in self.params], [p.element_size() for p in self.params]
         self.buckets, self.owner = plan_buckets(
-            [p.numel() for p in self.params], [(p.dtype, p.device) for p in self.params],
-            [p.element_size() for p in self.params], backend.size, bucket_bytes(sum(sizes), bucket_cap_mb))
+            numels, [(p.dtype, p.device) for p in self.params], element_bytes, backend.size,
+            bucket_bytes(sum(n * e for n, e in zip(numels, element_bytes)), bucket_cap_mb))
         self._bucket_of = {i: b for b in self.buckets for i in b.params}
         # gradients a bucket waits for: a frozen parameter has none (an unused one, too, but
         # that is known only when backward ends: its bucket, and those after it, start then)
@@ -195,6 +199,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for i in seg:
                 yield r, self.params[i], at
                 at += self.params[i].numel()
+
+    def _own_slots(self, bucket: Bucket) -> Iterator[tuple[torch.Tensor, int]]:
+        """(parameter, offset in this rank's segment) for the parameters it owns in ``bucket``."""
+        at = 0
+        for i in bucket.segments[self.backend.rank]:
+            yield self.params[i], at
+            at += self.params[i].numel()
 
     def remove_hooks(self) -> None:
         """Stop watching the parameters' gradients (the optimizer is being discarded)."""
@@ -256,11 +267,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for bucket in self.buckets:
             assert bucket.wait is not None
             out = bucket.wait()
-            if bucket.scatter:
-                for r, p, at in self._slots(bucket):
-                    if r == rank:
-                        at -= rank * bucket.width  # this rank's slice starts at its segment
-                        p.grad = out[at:at + p.numel()].view_as(p)
+            if bucket.scatter:  # out is this rank's segment
+                for p, at in self._own_slots(bucket):
+                    p.grad = out[at:at + p.numel()].view_as(p)
             else:
                 at = 0
                 for i in bucket.params:
@@ -330,10 +339,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if bucket.scatter:
                     first = self.params[bucket.params[0]]
                     mine = torch.zeros(bucket.width, dtype=first.dtype, device=first.device)
-                    for r, p, at in self._slots(bucket):
-                        if r == rank:
-                            at -= rank * bucket.width
-                            mine[at:at + p.numel()].copy_(p.reshape(-1))
+                    for p, at in self._own_slots(bucket):
+                        mine[at:at + p.numel()].copy_(p.reshape(-1))
                     waits.append((bucket, self.backend.start_all_gather_flat(mine, f"zero.{bucket.index}")))
                 else:
                     for i in bucket.params:
