@@ -249,6 +249,26 @@ def check_gpu_stack() -> Check:
     return gpu_stack_verdict(gpus, torch_cuda, hvd_nccl)
 
 
+def check_precision() -> Check:
+    """Whether bf16/fp16 autocast has native kernels on this CPU (and GPU): emulated, they are
+    several times slower than fp32 (hvdkit.precision). Advice, not a failure: fp32 always works."""
+    try:
+        import torch
+
+        from .precision import lowp_support
+    except ImportError:
+        return Check("precision", True, "torch not importable: not checked")
+    parts = []
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        found = [lowp_support(p, device) for p in ("bf16", "fp16")]
+        said = ", ".join(f"{s.precision} {'native' if s.native else 'EMULATED'}" for s in found)
+        slow = [s for s in found if not s.native]
+        advice = f" ({slow[0].reason}; use --precision fp32 here)" if slow else ""
+        parts.append(f"{device}: {said}{advice}")
+    return Check("precision", True, "; ".join(parts))
+
+
 def check_shellcheck() -> Check:
     return Check("shellcheck", bool(shutil.which("shellcheck")),
                  "present" if shutil.which("shellcheck") else "missing (only needed to lint scripts)",
@@ -257,7 +277,7 @@ def check_shellcheck() -> Check:
 
 CHECKS: tuple[Callable[[], Check], ...] = (check_python, check_torch, check_horovod, check_horovodrun,
                                            check_mpi, check_mpi4py, check_slurm, check_gpus, check_gpu_stack,
-                                           check_shellcheck)
+                                           check_precision, check_shellcheck)
 
 
 def run_checks() -> list[Check]:

@@ -49,7 +49,7 @@ from .models import build_model
 from .nonfinite import NonFiniteWatch
 from .observe import Observers
 from .optim import make_optimizer
-from .precision import autocast, make_scaler
+from .precision import autocast, lowp_support, make_scaler
 from .preemption import Preempted, Preemption
 from .profiling import step_profiler
 from .progress import Progress
@@ -490,6 +490,9 @@ def _enter(run: _Run) -> None:
 def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
            result: TrainResult) -> TrainResult:
     preemption = Preemption(backend, requeue=cfg.requeue, log=log)  # signals are caught from here on
+    emulated = lowp_support(cfg.precision, backend.device).warning()
+    if emulated and backend.is_master:  # said before the first step, not found in the step times
+        warn(emulated)
     run = _set_up(cfg, backend, log, result)
     preemption.on_stop = lambda _step: run.save()
     try:

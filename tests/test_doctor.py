@@ -24,6 +24,15 @@ def test_doctor_on_the_set_up_machine():
     assert "[ok  ] mpirun      mpirun (Open MPI) 4.1" in out
     assert "[ok  ] slurm" in out and "pmix" in out
     assert "verdict: ready:" in out and "Slurm submission" in out
+    assert "[ok  ] precision   cpu: bf16 " in out and ", fp16 " in out
+
+
+def test_doctor_says_when_bf16_is_emulated():
+    """oneDNN capped at AVX2 has no bf16/fp16 kernels on any x86 CPU: doctor says so, with the advice."""
+    proc = doctor(base_env(ONEDNN_MAX_CPU_ISA="AVX2"))
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("[ok  ] precision"))
+    assert "cpu: bf16 EMULATED, fp16 EMULATED (oneDNN's bf16 kernels need AVX-512" in line
+    assert line.endswith("use --precision fp32 here)")
 
 
 def test_doctor_names_the_fix_for_missing_pieces(tmp_path):
