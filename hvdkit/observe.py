@@ -24,9 +24,13 @@ if TYPE_CHECKING:
 
     from .config import TrainConfig
 
-__all__ = ["Observers", "ProgressRelay", "PROGRESS_TAG", "CONSOLE_TTY_VAR"]
+__all__ = ["Observers", "ProgressRelay", "PROGRESS_TAG", "CONSOLE_TTY_VAR", "EPOCH_TAG", "EPOCH_EVENTS_VAR"]
 
 PROGRESS_TAG = "[hvdkit-progress]"
+# rank 0's record of each finished epoch, after its checkpoint, for a driver that reports to a
+# scheduler (hvdkit.rayrun.tune: Ray Tune); printed only where EPOCH_EVENTS_VAR is "1"
+EPOCH_TAG = "[hvdkit-epoch]"
+EPOCH_EVENTS_VAR = "HVDKIT_EPOCH_EVENTS"
 _EVENT_EVERY_S = 0.2
 
 
@@ -81,6 +85,14 @@ class Observers:
                 self._last_event = now
                 print(f"{PROGRESS_TAG} epoch={p.epoch} step={done} total={total} loss={value:.6g}",
                       flush=True)
+
+    def saved(self, run: Any, record: dict[str, Any], checkpoint: str | None) -> None:
+        """After an epoch's checkpoint: one ``[hvdkit-epoch] {json}`` line where asked for."""
+        if self.active and os.environ.get(EPOCH_EVENTS_VAR) == "1":
+            import json
+
+            event = {k: v for k, v in record.items() if isinstance(v, (int, float, str))}
+            print(f"{EPOCH_TAG} {json.dumps({**event, 'checkpoint': checkpoint})}", flush=True)
 
     def evaluated(self, run: Any, metrics: dict[str, float]) -> None:
         if self.active and self._writer is not None:

@@ -13,6 +13,8 @@ Space file::
     scheduler: asha             # optional: stop bad trials early (hvdkit.asha); none is the default
     eta: 3                      # keep the best 1/eta at each rung
     grace: 1                    # first rung, in epochs; rungs at grace * eta**k below fixed.epochs
+    # scheduler: pbt            # Population Based Training, with --engine ray (hvdkit.rayrun.tune):
+    # perturb: [lr]             # the keys it explores; it exploits every `grace` epochs
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ __all__ = ["SweepSpec", "load_space", "expand_trials", "trial_args", "trial_comm
            "run_local", "collect_results", "results_table", "sweep_status", "budget_used"]
 
 
+SCHEDULERS = ("none", "asha", "pbt")
+
+
 @dataclass(frozen=True)
 class SweepSpec:
     """A parsed space file."""
@@ -47,9 +52,10 @@ class SweepSpec:
     fixed: dict[str, Any] = field(default_factory=dict)
     grid: dict[str, list[Any]] = field(default_factory=dict)
     random: dict[str, Any] = field(default_factory=dict)
-    scheduler: str = "none"  # or "asha": stop bad trials at rungs (hvdkit.asha)
+    scheduler: str = "none"  # or "asha": stop bad trials at rungs (hvdkit.asha); "pbt": Ray Tune's PBT
     eta: int = 3
     grace: int = 1
+    perturb: list[str] = field(default_factory=lambda: ["lr"])  # pbt: the keys it explores
 
     def __post_init__(self) -> None:
         if self.mode not in ("min", "max"):
@@ -60,8 +66,12 @@ class SweepSpec:
             if not isinstance(values, list) or not values:
                 raise ConfigError(f"grid: {key} must be a non-empty list of values, got {values!r}",
                                   f"e.g. grid: {{{key}: [0.01, 0.1]}}")
-        if self.scheduler not in ("none", "asha"):
-            raise ConfigError(f"scheduler {self.scheduler!r} is not none or asha", "use scheduler: asha or none")
+        if self.scheduler not in SCHEDULERS:
+            raise ConfigError(f"scheduler {self.scheduler!r} is not one of {', '.join(SCHEDULERS)}",
+                              "use scheduler: asha, pbt (with --engine ray) or none")
+        if not isinstance(self.perturb, list) or not self.perturb or \
+                not all(isinstance(k, str) and re.fullmatch(r"[a-z_]+", k) for k in self.perturb):
+            raise ConfigError(f"perturb: {self.perturb!r} is not a list of option names", "e.g. perturb: [lr]")
         if not re.fullmatch(r"final_loss|loss|val_\w+", self.metric):
             raise ConfigError(f"metric {self.metric!r} is not one training reports",
                               "use final_loss, or a validation metric such as val_loss or val_accuracy "
@@ -70,14 +80,14 @@ class SweepSpec:
                 and "dataset" not in self.fixed:
             raise ConfigError(f"metric {self.metric} needs validation data in every trial",
                               "add val_fraction: 0.1 or val_data: FILE to fixed:")
-        if self.scheduler == "asha":
+        if self.scheduler in ("asha", "pbt"):
             self.asha_config()  # validates eta, grace and the budget now, not in a trial
 
     def asha_config(self) -> AshaConfig:
         """Rungs and rule for this sweep; the budget is ``fixed: {epochs: N}``."""
         budget = self.fixed.get("epochs")
         if not isinstance(budget, int) or budget < 2:
-            raise ConfigError("scheduler: asha needs the trial budget as fixed: {epochs: N} with N >= 2",
+            raise ConfigError(f"scheduler: {self.scheduler} needs the trial budget as fixed: {{epochs: N}} with N >= 2",
                               "add epochs to fixed:, e.g. fixed: {epochs: 9}")
         return AshaConfig(budget=budget, eta=self.eta, grace=self.grace, mode=self.mode, metric=self.metric)
 
@@ -94,7 +104,7 @@ def load_space(path: str | os.PathLike[str]) -> SweepSpec:
     if not isinstance(data, dict):
         raise ConfigError(f"sweep space {path} must be a mapping of metric, grid/random, fixed, ...",
                           "see hvdkit sweep --help")
-    keys = {"metric", "mode", "fixed", "grid", "random", "scheduler", "eta", "grace"}
+    keys = {"metric", "mode", "fixed", "grid", "random", "scheduler", "eta", "grace", "perturb"}
     unknown = set(data) - keys
     if unknown:
         raise ConfigError(f"unknown key(s) in {path}: {', '.join(sorted(unknown))}",

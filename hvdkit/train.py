@@ -698,6 +698,8 @@ def _end_epoch(run: _Run, samples_here: int, seconds: float, waited: float) -> b
     # again and reuses the recorded decision
     go_on = _asha_rung(run, record)
     run.save()
+    run.observers.saved(run, record, str(run.ckpt.directory / run.saved_name)
+                        if run.ckpt is not None and run.saved_name else None)
     run.commit()
     return go_on
 

@@ -131,6 +131,6 @@ if ! "$PY" -c "import mpi4py.MPI" 2>/dev/null; then
   log "building mpi4py against $(command -v mpicc)"
   quiet env MPICC="$(command -v mpicc)" "${PIP[@]}" install --no-binary mpi4py mpi4py
 fi
-log "installing hvdkit (editable) with its extras (horovod and mpi4py are the ones built above)"
-quiet "${PIP[@]}" install -e "${ROOT}[test,horovod,mpi,plots]"
+log "installing hvdkit (editable) with its extras (horovod and mpi4py are the ones built above; ray)"
+quiet "${PIP[@]}" install -e "${ROOT}[test,horovod,mpi,plots,ray]"
 log "done: activate with 'source $VENV/bin/activate'"

@@ -14,7 +14,7 @@ import click
 
 from ..errors import HvdkitError, first_line
 
-__all__ = ["config_option", "load_config_file", "translate_errors"]
+__all__ = ["config_option", "load_config_file", "translate_errors", "ray_options", "ray_spec"]
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -83,3 +83,39 @@ def translate_errors(f: Callable[..., Any]) -> Callable[..., Any]:
 
     return wrapper
 
+
+
+def ray_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Where ranks go on Ray (``hvdkit run --launcher ray``, ``hvdkit sweep --engine ray``)."""
+    from ..rayrun.cluster import PLACEMENTS
+
+    for option in reversed([
+        click.option("--ray-address", default=None, envvar="RAY_ADDRESS",
+                     help="Ray: join the cluster whose head is at host:port [env RAY_ADDRESS]; without it an "
+                          "embedded Ray instance runs on this machine for the job."),
+        click.option("--ray-placement", type=click.Choice(list(PLACEMENTS)), default="pack", show_default=True,
+                     help="Ray: pack ranks onto few nodes, or spread them one per node."),
+        click.option("-c", "--cpus-per-task", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Ray: CPUs reserved for each rank (as hvdkit slurm's)."),
+        click.option("--gpus-per-task", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Ray: GPUs reserved for each rank."),
+    ]):
+        f = option(f)
+    return f
+
+
+def ray_spec(np: int, ray_address: str | None, ray_placement: str, cpus_per_task: int, gpus_per_task: int) -> Any:
+    """The options of :func:`ray_options` as a checked :class:`hvdkit.rayrun.cluster.RaySpec`;
+    Ray installed and the address answering, or a one-line usage error."""
+    from ..errors import ConfigError
+    from ..rayrun.cluster import RaySpec, probe_address, require_ray
+
+    try:
+        spec = RaySpec(np=np, address=ray_address or None, placement=ray_placement,
+                       cpus_per_task=float(cpus_per_task), gpus_per_task=float(gpus_per_task))
+        require_ray()
+        if spec.address:
+            probe_address(spec.address)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    return spec

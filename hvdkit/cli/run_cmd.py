@@ -32,7 +32,7 @@ from ..launch.local import (
 from ..launch.output import run_with_log
 from ..launch.vocabulary import CONSOLE_TTY_VAR, IFACE_VAR, check_iface_name
 from ..log import debug
-from .common import config_option, translate_errors
+from .common import config_option, ray_options, ray_spec, translate_errors
 from .validate import check_program, check_train_args, is_program
 
 
@@ -92,8 +92,9 @@ def shield_from_horovodrun(args: tuple[str, ...]) -> tuple[list[str], dict[str, 
 @click.option("-np", "--np", "np", type=click.IntRange(min=1), default=2, show_default=True,
               help="Number of ranks.")
 @click.option("--backend", type=click.Choice(LAUNCHABLE), default=DEFAULT_BACKEND, show_default=True)
-@click.option("--launcher", type=click.Choice(["auto", "horovodrun", "mpirun"]), default="auto",
-              show_default=True, help="auto: horovodrun for Horovod, mpirun for DDP.")
+@click.option("--launcher", type=click.Choice(["auto", "horovodrun", "mpirun", "ray"]), default="auto",
+              show_default=True, help="auto: horovodrun for Horovod, mpirun for DDP; ray: one rank per Ray "
+                                      "worker (docs/ray.md).")
 @click.option("--controller", type=click.Choice(CONTROLLERS), default="auto", show_default=True,
               help="horovodrun's controller. auto: MPI when Open MPI and an MPI-built Horovod are here "
                    "(the faster), Gloo for --elastic or without them.")
@@ -123,6 +124,7 @@ def shield_from_horovodrun(args: tuple[str, ...]) -> tuple[list[str], dict[str, 
               help="Where a failed run leaves its full launcher output (default: the temp dir).")
 @click.option("--write-script", type=click.Path(dir_okay=False), default=None,
               help="Write a standalone launch script (from slurm/mpirun.sh) instead of running.")
+@ray_options
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @translate_errors
 def run_command(np: int, backend: str, launcher: str, controller: str, hosts: str | None,
@@ -130,6 +132,7 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
                 host_discovery_script: str | None, write_discovery_script: str | None, slots: int,
                 blacklist_cooldown_range: tuple[int, int] | None, iface: str | None, elastic_timeout: int,
                 dry_run: bool, log_dir: str | None, write_script: str | None, args: tuple[str, ...],
+                ray_address: str | None, ray_placement: str, cpus_per_task: int, gpus_per_task: int,
                 **_: Any) -> None:
     """Run training on NP local ranks.
 
@@ -148,6 +151,15 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
         raise click.UsageError("--elastic needs --host-discovery-script (write one with --write-discovery-script)")
     # a terminal here: hvdkit train's ranks send their progress, and this process draws it as a bar
     tty = sys.stderr.isatty() and not is_program(args) and not (dry_run or write_script)
+    ray_only = [f"--{n}" for n, on in (("ray-placement", ray_placement != "pack"),
+                                        ("cpus-per-task", cpus_per_task != 1), ("gpus-per-task", gpus_per_task != 0))
+                if on]
+    if launcher == "ray":
+        run_on_ray(np, backend, args, ray_address, ray_placement, cpus_per_task, gpus_per_task, elastic, hosts,
+                   dry_run or bool(write_script), log_dir, tty)
+        return
+    if ray_only:
+        raise click.UsageError(f"{ray_only[0]} places ranks on Ray. HINT: add --launcher ray, or drop it")
     try:  # every mistake in the launch itself is a usage error, found before anything starts
         chosen = local_launcher(backend, launcher)
         if chosen == "horovodrun":
@@ -206,3 +218,41 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
     if outcome.returncode != 0:
         click.echo(f"Error: {outcome.summary()}", err=True)
     sys.exit(outcome.returncode)
+
+
+def run_on_ray(np: int, backend: str, args: tuple[str, ...], address: str | None, placement: str, cpus: int,
+               gpus: int, elastic: bool, hosts: str | None, dry_run: bool, log_dir: str | None, tty: bool) -> None:
+    """``hvdkit run --launcher ray``: every check before Ray starts, then the ranks on Ray workers."""
+    from ..launch.output import ConsoleLog
+    from ..rayrun.cluster import check_fits, connect, worker_env
+    from ..rayrun.workers import PYTHON, ray_backend, run_job
+
+    for flag, on in (("--elastic", elastic), ("-H", hosts), ("--dry-run/--write-script", dry_run)):
+        if on:
+            raise click.UsageError(f"{flag} cannot be combined with --launcher ray. HINT: Ray places the ranks "
+                                   "itself (--ray-placement); use horovodrun or mpirun for that")
+    try:
+        ray_backend(backend)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    spec = ray_spec(np, address, placement, cpus, gpus)
+    if is_program(args):
+        check_program(args)
+        program = list(args)
+    else:
+        check_train_args(args, backend=backend)
+        program = [PYTHON, "-m", "hvdkit", "train", "--backend", backend, *args]
+    env = worker_env({CONSOLE_TTY_VAR: "1"} if tty else {})
+    console = ConsoleLog(log_dir, progress=tty)
+    code = 1
+    try:
+        with connect(spec):
+            check_fits(spec, f"-np {np}")
+            code = run_job(spec, backend, program, env, console)
+    except ConfigError as exc:
+        console.close(2)
+        raise click.UsageError(str(exc)) from None
+    outcome = console.close(code)
+    if code != 0:
+        click.echo(f"Error: {outcome.summary()}", err=True)
+    sys.exit(code)

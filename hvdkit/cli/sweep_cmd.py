@@ -13,7 +13,8 @@ import click
 
 from ..backends.traits import BACKENDS, DEFAULT_BACKEND, traits
 from ..errors import ConfigError
-from .common import config_option, translate_errors
+from ..sweep import SCHEDULERS
+from .common import config_option, ray_options, ray_spec, translate_errors
 
 
 def _wait_for_array(job_id: str, timeout_s: float) -> None:
@@ -60,8 +61,17 @@ def sweep_status_command(directory: str) -> None:
 @sweep_group.command("run")
 @config_option
 @click.argument("space", type=click.Path(exists=True, dir_okay=False))
-@click.option("--scheduler", type=click.Choice(["none", "asha"]), default=None,
-              help="Override the space file's scheduler: asha stops bad trials at rungs.")
+@click.option("--scheduler", type=click.Choice(list(SCHEDULERS)), default=None,
+              help="Override the space file's scheduler: asha stops bad trials at rungs; pbt (--engine ray) "
+                   "copies good trials' checkpoints and perturbs their hyperparameters.")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="local: trials as local processes (or --slurm: a job array); ray: a Ray Tune experiment, "
+                   "each trial -np ranks on Ray workers (docs/ray.md).")
+@click.option("--resume", "resume", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Ray: continue the interrupted experiment in this --out directory (Tuner.restore).")
+@click.option("--max-failures", type=click.IntRange(min=0), default=2, show_default=True,
+              help="Ray: restarts of a failed trial, each from its last checkpoint.")
+@ray_options
 @click.option("--eta", type=click.IntRange(min=2), default=None, help="ASHA: keep the best 1/eta per rung (3).")
 @click.option("--grace", type=click.IntRange(min=1), default=None, help="ASHA: first rung, in epochs (1).")
 @click.option("--out-dir", "--out", "out", type=click.Path(file_okay=False), default="sweep", show_default=True,
@@ -69,7 +79,8 @@ def sweep_status_command(directory: str) -> None:
 @click.option("--backend", type=click.Choice(BACKENDS), default=DEFAULT_BACKEND, show_default=True,
               help="Each trial's backend (local: one plain process, -np 1, not with --slurm).")
 @click.option("-np", "--np", "np", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks per trial.")
-@click.option("--parallel", type=click.IntRange(min=1), default=2, show_default=True, help="Local trials at a time.")
+@click.option("--parallel", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Trials at a time (Ray: at most, as its resources allow).")
 @click.option("--slurm", is_flag=True, help="Run the trials as a Slurm job array instead of locally.")
 @click.option("--venv", default=None, help="Slurm: virtualenv to activate on the nodes.")
 @click.option("-t", "--time", "time_limit", default="01:00:00", show_default=True, help="Slurm: per-trial limit.")
@@ -81,7 +92,8 @@ def sweep_status_command(directory: str) -> None:
 def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int | None, out: str,
                   backend: str, np: int, parallel: int, slurm: bool, venv: str | None,
                   time_limit: str, partition: str | None, max_parallel: int | None, wait: bool,
-                  collect: bool) -> None:
+                  collect: bool, engine: str, resume: str | None, max_failures: int, ray_address: str | None,
+                  ray_placement: str, cpus_per_task: int, gpus_per_task: int) -> None:
     """Run the trials of the grid/random SPACE (YAML); print a results table and the best trial."""
     from ..launch.local import training_program
     from ..launch.slurm import SlurmJob, render_sbatch, submit
@@ -97,10 +109,25 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
         from ..sweep import expand_trials
 
         expand_trials(spec)  # a random space's distributions, sampled once now
+        if engine == "ray":
+            from ..rayrun.tune import check_ray_sweep
+            from ..rayrun.workers import ray_backend
+
+            if slurm:
+                raise ConfigError("--engine ray with --slurm (Ray inside a Slurm job) is not built yet",
+                                  "run the Ray engine on a Ray cluster (--ray-address), or --slurm without it")
+            ray_backend(backend)
+            check_ray_sweep(spec)
+        elif spec.scheduler == "pbt" or resume:
+            raise ConfigError(f"{'scheduler: pbt' if spec.scheduler == 'pbt' else '--resume'} runs on Ray Tune",
+                              "add --engine ray")
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    out_dir = Path(out).resolve()
-    if not collect:
+    out_dir = Path(resume or out).resolve()
+    if engine == "ray" and not collect:
+        _sweep_on_ray(out_dir, spec, backend, ray_spec(np, ray_address, ray_placement, cpus_per_task, gpus_per_task),
+                      bool(resume), max_failures, parallel)
+    elif not collect:
         trials = write_trials(out_dir, spec)
         click.echo(f"{len(trials)} trials written to {out_dir / 'trials'}", err=True)
         if slurm:
@@ -142,3 +169,34 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
         raise click.ClickException("no trial produced the metric; see the trial logs")
     click.echo(f"best: trial {best['trial']} {spec.metric}={best[spec.metric]:.6g} params={best['params']}")
     click.echo(f"wrote {out_dir / 'results.md'}, results.json, results.png", err=True)
+
+
+def _sweep_on_ray(out_dir: Path, spec: object, backend: str, ray: object, resume: bool, max_failures: int,
+                  parallel: int) -> None:
+    """The trials as one Ray Tune experiment (hvdkit.rayrun.tune); resumed from out_dir with ``resume``."""
+    from ..rayrun.cluster import connect
+    from ..rayrun.tune import DRIVER_CPU, run_tune
+    from ..sweep import SweepSpec, expand_trials, write_trials
+
+    assert isinstance(spec, SweepSpec)
+    if resume:
+        saved = json.loads((out_dir / "spec.json").read_text()) if (out_dir / "spec.json").exists() else None
+        if saved is None or not (out_dir / "tune").is_dir():
+            raise click.UsageError(f"{out_dir} holds no Ray sweep to resume (no spec.json and tune/). "
+                                   "HINT: pass the --out of an earlier 'hvdkit sweep --engine ray'")
+        spec = SweepSpec(**saved)
+        trials = expand_trials(spec)
+    else:
+        trials = write_trials(out_dir, spec)
+        click.echo(f"{len(trials)} trials written to {out_dir / 'trials'}", err=True)
+    started = time.monotonic()
+    try:
+        with connect(ray, extra_cpus=DRIVER_CPU):  # type: ignore[arg-type]
+            summary = run_tune(out_dir, spec, trials, backend, ray, resume=resume,  # type: ignore[arg-type]
+                               max_failures=max_failures, parallel=parallel)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    summary["wall_s"] = round(time.monotonic() - started, 1)
+    (out_dir / "tune-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    for e in summary["exploits"]:
+        click.echo(f"pbt: trial {e['trial']} exploited trial {e['from']}'s checkpoint at epoch {e['epoch']}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-__all__ = ["ConsoleFilter", "RunOutcome", "run_with_log"]
+__all__ = ["ConsoleFilter", "ConsoleLog", "RunOutcome", "run_with_log"]
 
 # horovodrun's Gloo controller tags worker lines "[0]<stderr>:", its MPI controller (mpirun
 # --tag-output) "[1,0]<stderr>:"; torch tags tracebacks "[rank0]: "
@@ -106,6 +106,53 @@ class RunOutcome:
         return f"job failed (exit {self.returncode}): {what} [full output: {self.log}]"
 
 
+class ConsoleLog:
+    """The console side of a launched job: each line goes whole to a log file, and through
+    :class:`ConsoleFilter` to the console; rank 0's progress lines become a bar (``progress``).
+
+    Fed by :func:`run_with_log` from a launcher's pipes, and by the Ray launcher
+    (:mod:`hvdkit.rayrun`) from lines its workers relay; both tag lines as horovodrun does.
+    """
+
+    def __init__(self, log_dir: str | None = None, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr,
+                 progress: bool = False) -> None:
+        from ..observe import ProgressRelay
+
+        self.relay = ProgressRelay() if progress else None
+        self.handle = tempfile.NamedTemporaryFile("w", prefix="hvdkit-run-", suffix=".log", dir=log_dir,
+                                                  delete=False)
+        self.log = Path(self.handle.name)
+        self.keep = ConsoleFilter()
+        self.lock = threading.Lock()
+        self.out, self.err = out, err
+
+    def feed(self, line: str, sink: IO[str] | None = None) -> None:
+        """One line (with its newline) as a launcher printed it; ``sink``: its stream (stdout)."""
+        with self.lock:
+            if self.relay is not None and self.relay.feed(line):
+                return  # drawn as the bar; not a line of the log
+            self.handle.write(line)
+            shown = self.keep(line)
+            if shown is not None:
+                # horovodrun tags say which stream a worker used; honour them
+                target = self.err if "<stderr>:" in shown[:16] else (sink or self.out)
+                shown = untagged(shown)
+                if self.relay is not None:
+                    self.relay.write(shown, target)
+                else:
+                    target.write(shown)
+                    target.flush()
+
+    def close(self, code: int) -> RunOutcome:
+        """The outcome; the log is kept when the job failed and removed when it succeeded."""
+        if self.relay is not None:
+            self.relay.close()
+        self.handle.close()
+        if code == 0:
+            self.log.unlink(missing_ok=True)
+        return RunOutcome(code, self.log, self.keep.errors, self.keep.causes)
+
+
 def run_with_log(argv: Sequence[str], env: Mapping[str, str], log_dir: str | None = None,
                  out: IO[str] = sys.stdout, err: IO[str] = sys.stderr, progress: bool = False) -> RunOutcome:
     """Run ``argv``; filtered lines to ``out``/``err``, everything to a log file.
@@ -114,33 +161,13 @@ def run_with_log(argv: Sequence[str], env: Mapping[str, str], log_dir: str | Non
     (hvdkit.observe.ProgressRelay) instead of lines. The log is kept when the job fails and
     removed when it succeeds.
     """
-    from ..observe import ProgressRelay
-
-    relay = ProgressRelay() if progress else None
-    handle = tempfile.NamedTemporaryFile("w", prefix="hvdkit-run-", suffix=".log", dir=log_dir,
-                                         delete=False)
-    log = Path(handle.name)
-    keep = ConsoleFilter()
-    lock = threading.Lock()
+    console = ConsoleLog(log_dir, out, err, progress)
     proc = subprocess.Popen(list(argv), env=dict(env), text=True, bufsize=1,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def pump(stream: IO[str], sink: IO[str]) -> None:
         for line in stream:
-            with lock:
-                if relay is not None and relay.feed(line):
-                    continue  # drawn as the bar; not a line of the log
-                handle.write(line)
-                shown = keep(line)
-                if shown is not None:
-                    # horovodrun tags say which stream a worker used; honour them
-                    target = err if "<stderr>:" in shown[:16] else sink
-                    shown = untagged(shown)
-                    if relay is not None:
-                        relay.write(shown, target)
-                    else:
-                        target.write(shown)
-                        target.flush()
+            console.feed(line, sink)
 
     threads = [threading.Thread(target=pump, args=(proc.stdout, out), daemon=True),
                threading.Thread(target=pump, args=(proc.stderr, err), daemon=True)]
@@ -153,9 +180,4 @@ def run_with_log(argv: Sequence[str], env: Mapping[str, str], log_dir: str | Non
         code = proc.wait()
     for t in threads:
         t.join()
-    if relay is not None:
-        relay.close()
-    handle.close()
-    if code == 0:
-        log.unlink(missing_ok=True)
-    return RunOutcome(code, log, keep.errors, keep.causes)
+    return console.close(code)

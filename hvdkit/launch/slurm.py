@@ -173,7 +173,7 @@ class SlurmJob:
                               f"with no MPI for srun to set up", f"drop --srun-mpi (it takes {backend.srun_mpi[0]})")
         if self.launcher not in backend.launchers:
             raise ConfigError(f"{self.launcher} cannot launch the {self.backend} backend",
-                              f"use --launcher {' or '.join(backend.launchers)}")
+                              f"use --launcher {' or '.join(x for x in backend.launchers if x in SLURM_LAUNCHERS)}")
         if self.elastic_min_nodes is not None:
             if not backend.elastic or self.launcher != ELASTIC_LAUNCHER:
                 raise ConfigError(f"--elastic runs Horovod Elastic, which {ELASTIC_LAUNCHER} launches",

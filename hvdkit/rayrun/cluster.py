@@ -1,0 +1,139 @@
+"""Which Ray cluster a run uses, what it refuses before starting, and the connection.
+
+No address: an embedded Ray instance on this machine for the run's lifetime (token
+authentication on, dashboard off, started and stopped by this process). ``--ray-address``
+(or ``RAY_ADDRESS``): an existing cluster, probed over TCP within ``CONNECT_TIMEOUT_S`` first,
+because ``ray.init`` itself waits far longer on an address nobody answers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+__all__ = ["RaySpec", "PLACEMENTS", "require_ray", "probe_address", "connect", "check_fits", "worker_env",
+           "CONNECT_TIMEOUT_S"]
+
+# pack: as few nodes as possible (Ray's PACK); spread: one rank per node (STRICT_SPREAD), the
+# layout of one rank per GPU node
+PLACEMENTS = {"pack": "PACK", "spread": "STRICT_SPREAD"}
+CONNECT_TIMEOUT_S = 30.0
+RAY_EXTRA = "pip install 'hvdkit[ray]' (./scripts/setup.sh installs it)"
+
+
+@dataclass(frozen=True)
+class RaySpec:
+    """Where and how the ranks of one run go on Ray."""
+
+    np: int = 2
+    address: str | None = None      # None: an embedded local instance
+    placement: str = "pack"         # pack | spread (PLACEMENTS)
+    cpus_per_task: float = 1.0
+    gpus_per_task: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.np < 1:
+            raise ConfigError(f"-np must be >= 1, got {self.np}", "start at least one rank")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"--ray-placement {self.placement!r} is not known",
+                              f"use one of: {', '.join(PLACEMENTS)}")
+        for name, value in (("--cpus-per-task", self.cpus_per_task), ("--gpus-per-task", self.gpus_per_task)):
+            if not value >= 0 or value == float("inf"):
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value}", f"e.g. {name} 1")
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        """One rank's resources, as a placement-group bundle."""
+        return {"CPU": self.cpus_per_task, **({"GPU": self.gpus_per_task} if self.gpus_per_task else {})}
+
+
+def require_ray() -> None:
+    """Ray installed, or one line naming the extra. Found without importing it: Ray reads its
+    authentication mode once, at import, and :func:`connect` sets it first."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("Ray is not installed in this environment", RAY_EXTRA)
+
+
+def probe_address(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """A TCP connection to the cluster's GCS at ``address`` (host:port) within ``timeout`` s."""
+    if address.startswith("ray://"):
+        raise ConfigError(f"--ray-address {address}: Ray Client (ray://) is not supported",
+                          "give the head's GCS address host:6379, from a machine of the cluster")
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--ray-address {address!r} is not host:port", "e.g. --ray-address node1:6379")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise ConfigError(f"no Ray cluster answers at {address} ({exc.strerror or exc})",
+                          "check the address 'ray start --head' printed, or leave --ray-address out "
+                          "to start a local instance") from None
+
+
+def worker_env(extra: Mapping[str, str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What the ranks inherit from this shell: mpirun's forwarded variables and hvdkit's own.
+
+    Ray workers start from the raylet's environment, not this shell's, so what a rank needs
+    is passed on explicitly, from the same list ``mpirun -x`` uses (launch.vocabulary).
+    """
+    from ..launch.vocabulary import FORWARDED_VARS
+
+    environ = os.environ if environ is None else environ
+    keep = {k: v for k, v in environ.items()
+            if k in FORWARDED_VARS or k.startswith(("HVDKIT_", "ONEDNN_", "ATEN_", "OMP_", "MKL_"))}
+    return {**keep, **dict(extra)}
+
+
+@contextlib.contextmanager
+def connect(spec: RaySpec, extra_cpus: float = 0.0) -> Iterator[None]:
+    """ray.init for the run's lifetime: the cluster at ``spec.address``, or an embedded instance
+    (with ``extra_cpus`` beyond the ranks': a Tune trial's own share)."""
+    require_ray()
+    if spec.address:
+        probe_address(spec.address)
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # Ray 2.60's token authentication, before import
+    import ray
+
+    kwargs: dict = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR",
+                    "configure_logging": True}
+    if spec.address:
+        ray.init(address=spec.address, **kwargs)
+    else:
+        # an embedded instance: as many CPUs as the ranks ask for where this machine has fewer,
+        # as hvdkit run oversubscribes mpirun automatically
+        cpus = max(os.cpu_count() or 1, math.ceil(spec.np * spec.cpus_per_task + extra_cpus))
+        ray.init(address="local", num_cpus=cpus, **kwargs)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def check_fits(spec: RaySpec, what: str = "the run", extra_cpus: float = 0.0) -> None:
+    """Refuse, in one line, ranks the connected cluster can never place (Ray would wait forever)."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    total: dict[str, float] = {}
+    for n in nodes:
+        for key, value in n.get("Resources", {}).items():
+            total[key] = total.get(key, 0.0) + value
+    need = {k: v * spec.np + (extra_cpus if k == "CPU" else 0) for k, v in spec.bundle.items()}
+    short = [f"{v:g} {k} (cluster has {total.get(k, 0):g})" for k, v in need.items() if total.get(k, 0) < v]
+    if short:
+        raise ConfigError(f"{what} needs {', '.join(short)}: Ray would wait for them forever",
+                          "lower -np or --cpus-per-task/--gpus-per-task, or add nodes to the cluster")
+    if spec.placement == "spread":
+        fit = [n for n in nodes if all(n.get("Resources", {}).get(k, 0) >= v for k, v in spec.bundle.items())]
+        if len(fit) < spec.np:
+            raise ConfigError(f"--ray-placement spread puts one rank per node, and only {len(fit)} of the "
+                              f"cluster's {len(nodes)} node(s) can hold one of the {spec.np} ranks",
+                              "use --ray-placement pack, or add nodes")

@@ -1,0 +1,234 @@
+"""A sweep as a Ray Tune experiment: each trial is a distributed run of ``np`` ranks.
+
+The space file, the trial list and the results table are hvdkit's (hvdkit.sweep), so the two
+engines run the same trials and can be compared. Tune adds what needs a service: its ASHA
+(``scheduler: asha``) and Population Based Training (``scheduler: pbt``), restarts of failed
+trials from their last checkpoint (``FailureConfig``), and ``Tuner.restore`` after the driver
+was lost.
+
+One trial: the trainable reserves a placement group (a sliver of a CPU for itself, then one
+bundle per rank), starts the ranks as ``hvdkit run --launcher ray`` does, and relays rank 0's
+``[hvdkit-epoch]`` lines to ``tune.report`` with that epoch's HDF5 checkpoint as Tune's
+``Checkpoint``. A restarted or exploiting trial copies the checkpoint it was given into a
+fresh checkpoint directory, and ``hvdkit train`` resumes from it exactly as after a requeue.
+Checkpoint and metrics paths are on the file system every node shares (as for Slurm jobs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..observe import EPOCH_EVENTS_VAR, EPOCH_TAG
+from ..sweep import SweepSpec, trial_args
+from .cluster import RaySpec, check_fits, worker_env
+
+__all__ = ["run_tune", "check_ray_sweep", "TUNE_DIR", "EXPERIMENT", "DRIVER_CPU"]
+
+TUNE_DIR = "tune"          # under the sweep's --out: Tune's storage
+EXPERIMENT = "experiment"  # its one experiment's name (Tuner.restore reads DIR/tune/experiment)
+DRIVER_CPU = 0.01         # the trial's own share: it only relays lines
+
+
+def check_ray_sweep(spec: SweepSpec) -> None:
+    """What the Ray engine refuses in the space, before Ray starts."""
+    if "checkpoint_dir" in spec.fixed:
+        raise ConfigError("checkpoint_dir in fixed: would be shared by every trial; the Ray engine gives each "
+                          "trial its own", "remove checkpoint_dir from fixed:")
+    if spec.scheduler == "pbt":
+        for key in spec.perturb:
+            if key not in spec.fixed and key not in (spec.grid or spec.random.get("params", {})):
+                raise ConfigError(f"scheduler: pbt perturbs {key}, which the space does not set",
+                                  f"add {key} to fixed:, grid: or params:, or list others in perturb:")
+        spec.asha_config()  # the budget: fixed: {epochs: N}
+
+
+class _TrialConsole:
+    """Lines of one trial's ranks: all to the trial's log, rank 0's epoch events to Tune."""
+
+    def __init__(self, log: Path, on_epoch: Any) -> None:
+        self.file = log.open("a")
+        self.on_epoch = on_epoch
+
+    def feed(self, line: str, sink: Any = None) -> None:
+        at = line.find(EPOCH_TAG)
+        if at >= 0:
+            self.on_epoch(json.loads(line[at + len(EPOCH_TAG):]))
+            return
+        self.file.write(line)
+        self.file.flush()
+
+
+def _trainable(config: dict[str, Any], *, out: str, spec: SweepSpec, trials: list[dict[str, Any]], backend: str,
+               ray_spec: RaySpec, env: dict[str, str]) -> None:
+    """One trial, inside Tune: the distributed run, its epochs reported with their checkpoints."""
+    from ray import tune
+
+    from .workers import PYTHON, run_job
+
+    # which trial this is: PBT's exploit copies the donor's whole config, "trial" included, so
+    # the identity is Tune's trial id, mapped to hvdkit's trial number when the trial first starts
+    ids = Path(out) / "trials" / "tune-ids"
+    ids.mkdir(parents=True, exist_ok=True)
+    known = ids / tune.get_context().get_trial_id()
+    if not known.exists():
+        known.write_text(str(int(config["trial"])))
+    index = int(known.read_text())
+    params = {**trials[int(config["trial"])], **{k: config[k] for k in spec.perturb if k in config}}
+    home = Path(out) / "checkpoints" / f"trial-{index:03d}"  # on the shared file system, as results/
+    attempt = len(list(home.glob("attempt-*"))) if home.exists() else 0
+    ck = home / f"attempt-{attempt}"  # fresh for every attempt: only what Tune gave is resumed
+    ck.mkdir(parents=True, exist_ok=True)
+    given = tune.get_checkpoint()
+    origin: dict[str, Any] = {}
+    if given is not None:
+        with given.as_directory() as d:
+            for h5 in Path(d).glob("*.h5"):
+                shutil.copy2(h5, ck / h5.name)
+            if (Path(d) / "origin.json").exists():
+                origin = json.loads((Path(d) / "origin.json").read_text())
+    elif attempt:
+        # Tune gave none, yet this trial ran before: a driver lost before Tune's experiment
+        # snapshot recorded the trial's checkpoints. Its own last checkpoints are on disk.
+        earlier = sorted((p for p in home.glob("attempt-*/ckpt-*.h5")), key=lambda p: p.name)
+        for h5 in earlier[-2:]:  # two: hvdkit falls back past a damaged newest one
+            shutil.copy2(h5, ck / h5.name)
+        if earlier:
+            origin = {"trial": index, "epoch": f"{earlier[-1].stem} (from disk)"}
+    exploited = origin.get("trial") if origin.get("trial") not in (None, index) else None
+    results = Path(out) / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    args = [*trial_args({**spec.fixed, **params}), "--checkpoint-dir", str(ck),
+            "--metrics-file", str(results / f"ray-{index}.json")]
+
+    def on_epoch(event: dict[str, Any]) -> None:
+        metrics = {k: v for k, v in event.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        metrics["final_loss"] = metrics.get("loss", float("nan"))
+        metrics["epochs"] = int(event["epoch"]) + 1
+        metrics["exploited_from"] = -1 if exploited is None else int(exploited)
+        metrics["lr"] = float(params.get("lr", float("nan")))
+        metrics["hvdkit_trial"] = index
+        path = event.get("checkpoint")
+        if not path or not Path(path).exists():
+            tune.report(metrics)
+            return
+        with tempfile.TemporaryDirectory() as tmp:
+            shutil.copy2(path, Path(tmp) / Path(path).name)
+            (Path(tmp) / "origin.json").write_text(json.dumps({"trial": index, "epoch": metrics["epochs"]}))
+            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
+
+    console = _TrialConsole(Path(out) / "trials" / f"trial-{index:03d}.log", on_epoch)
+    if origin:
+        console.file.write(f"[hvdkit] tune: restored from trial {origin.get('trial', index)}'s checkpoint of epoch "
+                           f"{origin.get('epoch', '?')} with {params}\n")
+    program = [PYTHON, "-m", "hvdkit", "train", "--backend", backend, *args]
+    code = run_job(ray_spec, backend, program, {**env, EPOCH_EVENTS_VAR: "1"}, console)
+    console.file.close()
+    if code != 0:
+        raise RuntimeError(f"trial {index}'s ranks exited with {code}; see {console.file.name}")
+
+
+def _scheduler(spec: SweepSpec) -> Any:
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
+
+    metric_mode: dict[str, Any] = {"metric": _tune_metric(spec), "mode": spec.mode}
+    if spec.scheduler == "asha":
+        cfg = spec.asha_config()
+        return ASHAScheduler(time_attr="epochs", max_t=cfg.budget, grace_period=cfg.grace,
+                             reduction_factor=cfg.eta, **metric_mode)
+    if spec.scheduler == "pbt":
+        from ray import tune
+
+        mutations = {k: tune.loguniform(1e-5, 1.0) if k == "lr" else tune.uniform(0.0, 1.0) for k in spec.perturb}
+        return PopulationBasedTraining(time_attr="epochs", perturbation_interval=spec.grace,
+                                       hyperparam_mutations=mutations, quantile_fraction=0.5, synch=False,
+                                       **metric_mode)
+    return FIFOScheduler()
+
+
+def _tune_metric(spec: SweepSpec) -> str:
+    return "final_loss" if spec.metric in ("final_loss", "loss") else spec.metric
+
+
+def run_tune(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend: str, ray_spec: RaySpec,
+             resume: bool = False, max_failures: int = 2, parallel: int = 2) -> dict[str, Any]:
+    """Run (or with ``resume`` continue) the experiment; write each trial's results file where
+    ``hvdkit train`` did not (a pruned or failed trial), so hvdkit.sweep.collect_results reads all."""
+    import functools
+    import os
+    import warnings
+
+    # Tune's own console (its experiment box, a TensorBoard hint, advice for class trainables)
+    # would bury hvdkit's table; its files under DIR/tune keep everything
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"ray\.tune")
+    from ray import tune
+
+    bundles = [{"CPU": DRIVER_CPU}] + [ray_spec.bundle] * ray_spec.np
+    check_fits(ray_spec, "a trial", extra_cpus=DRIVER_CPU)
+    trainable = tune.with_resources(
+        # the ranks' environment from this shell: a trainable runs in a Ray worker, whose own is the raylet's
+        functools.partial(_trainable, out=str(out), spec=spec, trials=trials, backend=backend, ray_spec=ray_spec,
+                          env=worker_env({})),
+        tune.PlacementGroupFactory(bundles, strategy="PACK"))
+    storage = str((out / TUNE_DIR).resolve())
+    if resume:
+        tuner = tune.Tuner.restore(str(Path(storage) / EXPERIMENT), trainable, resume_unfinished=True,
+                                   resume_errored=True)
+    else:
+        space: dict[str, Any] = {"trial": tune.grid_search(list(range(len(trials))))}
+        for key in spec.perturb if spec.scheduler == "pbt" else ():
+            space[key] = tune.sample_from(functools.partial(_initial, key=key, trials=trials, fixed=spec.fixed))
+        tuner = tune.Tuner(
+            trainable, param_space=space,
+            # PBT takes turns only among trials that exist: it pauses a trial at each perturbation
+            # while others wait (PENDING), so every trial is created at once and resources decide
+            tune_config=tune.TuneConfig(scheduler=_scheduler(spec), num_samples=1, reuse_actors=False,
+                                        max_concurrent_trials=None if spec.scheduler == "pbt" else parallel),
+            run_config=tune.RunConfig(name=EXPERIMENT, storage_path=storage, verbose=0,
+                                      # ended at its last epoch, not paused there for PBT to resume
+                                      stop={"epochs": int(spec.fixed.get("epochs", 1))},
+                                      failure_config=tune.FailureConfig(max_failures=max_failures),
+                                      # PBT exploits older checkpoints of other trials: keep them all
+                                      checkpoint_config=tune.CheckpointConfig(
+                                          num_to_keep=None if spec.scheduler == "pbt" else 2)))
+    grid = tuner.fit()
+    summary: dict[str, Any] = {"trials": len(trials), "errors": 0, "exploits": []}
+    for result in list(grid):  # type: ignore[call-overload]
+        frame = result.metrics_dataframe
+        rows = frame.to_dict("records") if frame is not None else []
+        index = int(rows[-1]["hvdkit_trial"]) if rows else int(result.config["trial"])
+        before = -1
+        for r in rows:  # an exploit starts an attempt: its first report names the donor
+            donor = int(r.get("exploited_from", -1))
+            if donor >= 0 and donor != before:
+                summary["exploits"].append({"trial": index, "from": donor, "epoch": int(r["epochs"]) - 1})
+            before = donor
+        summary["errors"] += result.error is not None
+        path = out / "results" / f"ray-{index}.json"
+        done = path.exists() and json.loads(path.read_text()).get("status") == "completed"
+        if done and spec.scheduler == "pbt":
+            data = json.loads(path.read_text())
+            data["exploited_from"] = sorted({e["from"] for e in summary["exploits"] if e["trial"] == index})
+            path.write_text(json.dumps(data, indent=2) + "\n")
+        if done:
+            continue
+        history = [{k: v for k, v in r.items() if k in ("epoch", "loss") or k.startswith("val_")} for r in rows]
+        last = rows[-1] if rows else {}
+        value = last.get(_tune_metric(spec))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({
+            "status": "failed" if result.error is not None else "pruned", "history": history,
+            spec.metric: value if isinstance(value, float) and math.isfinite(value) else None,
+            "error": str(result.error).splitlines()[0] if result.error is not None else None}, indent=2) + "\n")
+    return summary
+
+
+def _initial(spec: Any, *, key: str, trials: list[dict[str, Any]], fixed: dict[str, Any]) -> Any:
+    """A PBT-perturbed key's first value: the trial's own, from the space."""
+    return trials[int(spec.config["trial"])].get(key, fixed.get(key))

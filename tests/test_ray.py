@@ -1,0 +1,272 @@
+"""hvdkit on Ray, with real Ray processes: ``hvdkit run --launcher ray`` on both backends and
+``hvdkit sweep run --engine ray`` (Ray Tune's ASHA and PBT, a trial restarted from its
+checkpoint after its rank was killed). One Ray head is started for the module (``ray start
+--head --block``, stopped by its PID) and every command joins it with --ray-address, so the
+tests pay Ray's start-up once; one test uses the embedded instance that is the default.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import HVDKIT, ROOT, base_env, check, launch, wait_until
+
+pytest.importorskip("ray")  # the [ray] extra: scripts/setup.sh installs it, so this runs in make test
+
+MODELS = str(ROOT / "examples" / "models.py")
+MLP = ["--model", "mlp", "--epochs", "2", "--steps-per-epoch", "8", "--num-samples", "1024"]
+DIGEST = re.compile(r"digest=(\w+)")
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory) -> str:
+    """One Ray head for the module, on 127.0.0.1; its process group is killed by PID at the end."""
+    from hvdkit.environments import find_free_port
+
+    port = find_free_port("127.0.0.1")
+    log = tmp_path_factory.mktemp("ray") / "head.log"
+    env = base_env(RAY_AUTH_MODE="token")
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+                                 "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "5",
+                                 "--include-dashboard", "false", "--disable-usage-stats"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_until(lambda: "Ray runtime started" in log.read_text() or proc.poll() is not None, 120,
+                   "the Ray head to start")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        yield address
+    finally:  # the head's whole process group (raylet, GCS, workers): TERM, then KILL after 3 s
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+
+def hvdkit(*args: str, timeout: float = 300, env: dict[str, str] | None = None,
+           cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*HVDKIT, *args], env=base_env(**(env or {})), capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("digits")
+    check(subprocess.run([*HVDKIT, "data", "import-digits", str(d)], env=base_env(), capture_output=True,
+                         text=True, timeout=120))
+    return d
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(600)  # measured 75 s on 2 cores
+@pytest.mark.parametrize("backend,kind", [("horovod", "hvd-gloo"), ("ddp", "mpirun")])
+def test_ray_launcher_trains_to_the_digest_of_horovodrun_and_mpirun(head, backend, kind, tmp_path):
+    ray = hvdkit("run", "-np", "2", "--launcher", "ray", "--ray-address", head, "--backend", backend, "--", *MLP,
+                 "--checkpoint-dir", str(tmp_path / "ck"))
+    assert ray.returncode == 0, ray.stdout[-3000:] + ray.stderr[-3000:]
+    assert "Traceback" not in ray.stdout + ray.stderr
+    native = check(launch(kind, 2, [*HVDKIT, "train", "--backend", backend, *MLP]))
+    assert DIGEST.search(ray.stdout).group(1) == DIGEST.search(native).group(1)
+    assert "params_identical_on_all_ranks=True" in ray.stdout
+    assert sorted(p.name for p in (tmp_path / "ck").glob("ckpt-*.h5"))[-1] == "ckpt-000000016.h5"
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(600)  # measured 70 s on 2 cores
+def test_ray_run_relays_a_preemption_signal_and_the_resumed_run_ends_on_the_same_bits(head, tmp_path):
+    """SIGUSR1 to 'hvdkit run --launcher ray' (what Slurm sends a batch shell) reaches every rank,
+    held at step 5: they checkpoint and exit 75; the rerun resumes and ends like a straight run.
+    The embedded Ray instance (no --ray-address) is the default users get: this test uses it."""
+    run = ["run", "-np", "2", "--launcher", "ray", "--backend", "ddp"]
+    proc = subprocess.Popen([*HVDKIT, *run, "--", *MLP, "--checkpoint-dir", str(tmp_path / "ck")], text=True,
+                            env=base_env(HVDKIT_HOLD="step:5", HVDKIT_HOLD_RELEASE="signal"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if sum("holding at step 5" in x for x in lines) == 2:
+                proc.send_signal(signal.SIGUSR1)
+                break
+        lines += proc.stdout.readlines()
+        assert proc.wait(timeout=180) == 75, "".join(lines)[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(lines)
+    assert "preempted at step 5 by SIGUSR1; checkpoint saved" in out, out[-2000:]
+    resumed = hvdkit(*run, "--ray-address", head, "--", *MLP, "--checkpoint-dir", str(tmp_path / "ck"))
+    straight = hvdkit(*run, "--ray-address", head, "--", *MLP)
+    assert resumed.returncode == 0 == straight.returncode, resumed.stdout[-2000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    assert DIGEST.search(resumed.stdout).group(1) == DIGEST.search(straight.stdout).group(1)
+
+
+@pytest.mark.timeout(300)  # measured 25 s on 2 cores
+def test_ray_refusals_are_one_line_before_anything_runs(head, tmp_path):
+    from hvdkit.environments import find_free_port
+
+    closed = f"127.0.0.1:{find_free_port('127.0.0.1')}"
+    space = tmp_path / "s.yaml"
+    space.write_text("metric: final_loss\nfixed: {model: mlp, epochs: 2}\ngrid: {lr: [0.1]}\nscheduler: pbt\n")
+    shared = tmp_path / "c.yaml"
+    shared.write_text("fixed: {model: mlp, epochs: 2, checkpoint_dir: ck}\ngrid: {lr: [0.1]}\n")
+    plain = tmp_path / "p.yaml"
+    plain.write_text("fixed: {model: mlp, epochs: 2}\ngrid: {lr: [0.1]}\n")
+    cases = [
+        (["run", "--launcher", "ray", "--ray-address", closed, "--", "--model", "mlp"],
+         f"no Ray cluster answers at {closed}"),
+        (["run", "-np", "64", "--launcher", "ray", "--ray-address", head, "--", "--model", "mlp"],
+         "-np 64 needs 64 CPU (cluster has 5): Ray would wait for them forever"),
+        (["run", "-np", "2", "--launcher", "ray", "--ray-placement", "spread", "--ray-address", head, "--",
+          "--model", "mlp"], "--ray-placement spread puts one rank per node, and only 1 of the cluster's 1"),
+        (["run", "--launcher", "ray", "--elastic", "--host-discovery-script", "x", "--", "--model", "mlp"],
+         "--elastic cannot be combined with --launcher ray"),
+        (["run", "--ray-placement", "spread", "--", "--model", "mlp"], "--ray-placement places ranks on Ray"),
+        (["run", "--launcher", "ray", "--", "--model", "mlp", "--lr", "abc"], "--lr"),
+        (["sweep", "run", str(space), "--out", str(tmp_path / "o1")], "scheduler: pbt runs on Ray Tune"),
+        (["sweep", "run", str(shared), "--engine", "ray", "--out", str(tmp_path / "o2")],
+         "checkpoint_dir in fixed: would be shared by every trial"),
+        (["sweep", "run", str(plain), "--engine", "ray", "-np", "8", "--ray-address",
+          head, "--out", str(tmp_path / "o3")], "a trial needs 8.01 CPU (cluster has 5)"),
+    ]
+    for args, expected in cases:
+        started = time.monotonic()
+        proc = hvdkit(*args, timeout=120)
+        said = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2 and expected in proc.stderr, (args, proc.stderr[-1500:])
+        assert len(said) == 1 or said[-1].startswith("Error:"), (args, said)
+        assert "Traceback" not in proc.stderr and time.monotonic() - started < 60, args
+    assert not (tmp_path / "ck").exists()
+    # Ray not installed: the same one line from every Ray option, naming the extra
+    hidden = subprocess.run([sys.executable, "-c", "import sys; sys.modules['ray'] = None; "
+                             "from hvdkit.cli import main; sys.argv = ['hvdkit'] + sys.argv[1:]; main()",
+                             "run", "--launcher", "ray", "--", "--model", "mlp"],
+                            env=base_env(), capture_output=True, text=True, timeout=60)
+    assert hidden.returncode == 2 and "Ray is not installed in this environment" in hidden.stderr
+    assert "pip install 'hvdkit[ray]'" in hidden.stderr
+
+
+def _space(tmp_path: Path, digits: Path, name: str, body: str, epochs: int = 3) -> Path:
+    path = tmp_path / name
+    path.write_text(f"metric: val_accuracy\nmode: max\nfixed: {{model: {MODELS}:digits_cnn, data: {digits}/train.h5, "
+                    f"val_data: {digits}/val.h5, batch_size: 32, optimizer: adamw, epochs: {epochs}}}\n{body}")
+    return path
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(900)  # measured 90 s on 2 cores
+def test_tune_asha_prunes_bad_trials_and_picks_the_best_on_val_accuracy(head, digits, tmp_path):
+    space = _space(tmp_path, digits, "asha.yaml", "grid: {lr: [0.003, 0.002, 0.001, 0.00001, 0.00002, 0.00003]}\n"
+                   "scheduler: asha\neta: 3\ngrace: 1\n")
+    proc = hvdkit("sweep", "run", str(space), "--engine", "ray", "-np", "2", "--ray-address", head,
+                  "--out", str(tmp_path / "out"), timeout=800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())
+    status = {r["trial"]: r["status"] for r in rows}
+    assert len(rows) == 6 and "pruned" in status.values() and "failed" not in status.values(), status
+    assert all(r["epochs"] == 1 for r in rows if r["status"] == "pruned")
+    done = [r for r in rows if r["status"] == "completed"]
+    best = max(done, key=lambda r: r["val_accuracy"])
+    assert f"best: trial {best['trial']} val_accuracy=" in proc.stdout and best["val_accuracy"] > 0.9
+    assert (tmp_path / "out" / "results.png").is_file() and "| pruned |" in proc.stdout
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(900)  # measured 150 s on 2 cores
+def test_tune_pbt_exploits_by_copying_a_better_trials_checkpoint(head, digits, tmp_path):
+    space = _space(tmp_path, digits, "pbt.yaml", "grid: {lr: [0.003, 0.00001, 0.002, 0.00002]}\n"
+                   "scheduler: pbt\ngrace: 1\nperturb: [lr]\n")
+    # room for one trial at a time (3 of the head's 5 CPUs): PBT takes turns (a trial pauses at
+    # each epoch while others wait), so at epoch 2 every trial has a score and each good one a
+    # recorded checkpoint when a bad one asks to exploit; trials side by side race past that
+    # point. One rank a trial keeps the dozen restarts cheap.
+    proc = hvdkit("sweep", "run", str(space), "--engine", "ray", "-np", "1", "-c", "3", "--ray-address", head,
+                  "--out", str(tmp_path / "out"), timeout=800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "tune-summary.json").read_text())
+    assert summary["exploits"], summary
+    first = summary["exploits"][0]
+    assert f"pbt: trial {first['trial']} exploited trial {first['from']}'s checkpoint" in proc.stdout
+    log = (tmp_path / "out" / "trials" / f"trial-{first['trial']:03d}.log").read_text()
+    assert f"tune: restored from trial {first['from']}'s checkpoint" in log and "resumed from" in log
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert all(r["status"] == "completed" for r in rows), rows
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(900)  # measured 80 s on 2 cores
+def test_tune_trial_whose_rank_is_killed_restarts_from_its_checkpoint_and_ends_on_the_same_bits(
+        head, digits, tmp_path):
+    """Both ranks hold at step 30 (epoch 2, after epoch 1's checkpoint at step 23); rank 1 is
+    SIGKILLed there; the trial fails, Tune restarts it from its checkpoint, and it ends on the
+    weights of the same trial run without a fault."""
+    space = _space(tmp_path, digits, "one.yaml", "grid: {lr: [0.002]}\n")
+    release = tmp_path / "release"
+    out = tmp_path / "out"
+    proc = subprocess.Popen([*HVDKIT, "sweep", "run", str(space), "--engine", "ray", "-np", "2", "--ray-address",
+                             head, "--out", str(out)], env=base_env(HVDKIT_HOLD="step:30",
+                                                                     HVDKIT_HOLD_RELEASE=str(release)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log = out / "trials" / "trial-000.log"
+        wait_until(lambda: log.exists() and log.read_text().count("holding at step 30") == 2, 300,
+                   "both ranks to hold at step 30")
+        rank1 = re.search(r"\[1\]<stderr>:\[hvdkit\] holding at step 30 \(pid (\d+)\)", log.read_text())
+        os.kill(int(rank1.group(1)), signal.SIGKILL)
+        release.touch()
+        stdout, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stdout[-3000:]
+    text = log.read_text()
+    assert "tune: restored from trial 0's checkpoint of epoch 1" in text and "(step 23)" in text
+    faulted = json.loads((out / "results" / "ray-0.json").read_text())
+    straight = hvdkit("sweep", "run", str(space), "--engine", "ray", "-np", "2", "--ray-address", head,
+                      "--out", str(tmp_path / "straight"), timeout=600)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    clean = json.loads((tmp_path / "straight" / "results" / "ray-0.json").read_text())
+    assert faulted["param_digest"] == clean["param_digest"] and faulted["global_step"] == clean["global_step"] == 69
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(900)  # measured 60 s on 2 cores
+def test_a_sweep_whose_driver_is_killed_resumes_with_tuner_restore(head, digits, tmp_path):
+    """SIGKILL the driver while trial 1 trains (trial 0 done); --resume DIR finishes the experiment:
+    trial 0 is not trained again, trial 1 continues from its last checkpoint."""
+    space = _space(tmp_path, digits, "three.yaml", "grid: {lr: [0.003, 0.002, 0.001]}\n")
+    out = tmp_path / "out"
+    sweep = ["sweep", "run", str(space), "--engine", "ray", "-np", "2", "--parallel", "1", "--ray-address", head]
+    proc = subprocess.Popen([*HVDKIT, *sweep, "--out", str(out)], env=base_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    log = out / "trials" / "trial-001.log"
+    try:
+        wait_until(lambda: log.exists() and "epoch 1 loss" in log.read_text(), 400, "trial 1's second epoch")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert not (out / "results.json").exists()
+    resumed = hvdkit(*sweep, "--resume", str(out), timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())
+    assert [r["status"] for r in rows] == ["completed"] * 3 and all(r["epochs"] == 3 for r in rows), rows
+    assert (out / "trials" / "trial-000.log").read_text().count("start step 0") == 1  # not trained again
+    assert "tune: restored from trial 1's checkpoint" in log.read_text()
