@@ -8,6 +8,9 @@
 #   scripts/local-cluster.sh kill-node NODE     crash NODE: its slurmd, sshd and every task on it
 #   scripts/local-cluster.sh revive NODE        "reboot" NODE: slurmd and sshd again, node resumed
 #   scripts/local-cluster.sh down              stop everything it started, by recorded PID
+#   scripts/local-cluster.sh ray-up            a Ray cluster on the nodes: head on node1, a worker on
+#                                              every other node, over the fabric; waits until all joined
+#   scripts/local-cluster.sh ray-down          stop it (each node's Ray by its recorded PID's group)
 #
 # Each node is a Linux network namespace plus a UTS namespace (so `hostname` prints node1,
 # node2, ...). A holder process keeps the UTS namespace alive; its PID is the node's handle.
@@ -385,6 +388,8 @@ down() {
   need_root down
   local k n
   n="$(nodes_count)"
+  for k in $(seq 1 "$MAX_NODES"); do stop_group "ray-node$k"; done
+  rm -rf /tmp/ray-hvk-node*
   for name in slurmctld slurmd; do stop "$name"; done
   for k in $(seq 1 "$MAX_NODES"); do
     stop "slurmd-node$k"
@@ -406,6 +411,80 @@ down() {
   if [ -f "$CONF" ] && grep -q "^# written by hvdkit" "$CONF"; then rm -f "$CONF"; fi
   rm -rf "$STATE"
   log "down (was ${n} node(s)): daemons stopped, namespaces, bridges, hosts lines and ssh settings removed"
+}
+
+# --- Ray on the nodes ----------------------------------------------------------------
+RAY_PORT=6379
+ray_bin() {
+  local ray="${HVDKIT_VENV:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.venv}/bin/ray"
+  [ -x "$ray" ] || die "no $ray; HINT: run scripts/setup.sh (it installs the [ray] extra)"
+  printf '%s' "$ray"
+}
+
+# stop_group NAME: like stop, but TERM/KILL the recorded PID's whole process group (ray start
+# --block leads raylet, GCS and workers, which it started in its own session)
+stop_group() {
+  local f pid
+  f="$(pidfile "$1")"
+  [ -s "$f" ] || return 0
+  pid="$(cat "$f")"
+  kill -TERM -- "-$pid" 2>/dev/null || true
+  for _ in $(seq 1 25); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+  kill -KILL -- "-$pid" 2>/dev/null || true
+  rm -f "$f"
+}
+
+ray_up() {
+  need_root ray-up
+  [ "$(mode)" = multi ] || die "ray-up needs the multi-node cluster; HINT: $0 up first"
+  local n k ray py head="$FAB_NET.1"
+  n="$(nodes_count)"
+  ray="$(ray_bin)"
+  py="$(dirname "$ray")/python"
+  if alive ray-node1; then log "ray already up (head $head:$RAY_PORT)"; return 0; fi
+  # token authentication (the token file is shared: one file system), no dashboard; each node
+  # its own temp dir, as on real machines; CPUs as Slurm declares them
+  start ray-node1 nsenter -t "$(node_pid node1)" -n -u -- env RAY_AUTH_MODE=token "$ray" start --head --block \
+    --node-ip-address "$head" --port "$RAY_PORT" --num-cpus "$CPUS_PER_NODE" --include-dashboard false \
+    --disable-usage-stats --temp-dir "/tmp/ray-hvk-node1"
+  for k in $(seq 2 "$n"); do
+    start "ray-node$k" nsenter -t "$(node_pid "node$k")" -n -u -- env RAY_AUTH_MODE=token "$ray" start --block \
+      --address "$head:$RAY_PORT" --node-ip-address "$FAB_NET.$k" --num-cpus "$CPUS_PER_NODE" \
+      --disable-usage-stats --temp-dir "/tmp/ray-hvk-node$k"
+  done
+  # joined when the cluster itself counts n live nodes (polled, never a fixed sleep)
+  if ! in_node node1 env RAY_AUTH_MODE=token "$py" - "$head:$RAY_PORT" "$n" <<'PYEOF'
+import socket, sys, time
+import ray
+address, want = sys.argv[1], int(sys.argv[2])
+host, port = address.rsplit(":", 1)
+deadline = time.monotonic() + 120
+while True:
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            sys.exit(f"no GCS at {address} after 120 s")
+        time.sleep(0.5)
+ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+while len([n for n in ray.nodes() if n["Alive"]]) < want:
+    if time.monotonic() > deadline:
+        sys.exit(f"{len([n for n in ray.nodes() if n['Alive']])} of {want} Ray nodes joined after 120 s")
+    time.sleep(0.5)
+PYEOF
+  then
+    die "Ray did not come up; see $STATE/log/ray-node*.out"
+  fi
+  log "ray up: head $head:$RAY_PORT (node1), $n node(s) joined; stop with: $0 ray-down"
+}
+
+ray_down() {
+  need_root ray-down
+  local k
+  for k in $(seq 1 "$MAX_NODES"); do stop_group "ray-node$k"; done
+  rm -rf /tmp/ray-hvk-node*
+  log "ray down"
 }
 
 status() {
@@ -434,9 +513,11 @@ case "${1:-up}" in
     node="$2"; shift 3
     in_node "$node" "$@" ;;
   kill-node) kill_node "${2:-}" ;;
+  ray-up) ray_up ;;
+  ray-down) ray_down ;;
   revive) revive_node "${2:-}" ;;
   pids)
     [ $# -eq 2 ] || die "usage: $0 pids NODE"
     ip netns pids "hvk-$2" ;;
-  *) echo "usage: $0 up [--nodes N] | status | exec NODE -- CMD | pids NODE | kill-node NODE | revive NODE | down" >&2; exit 2 ;;
+  *) echo "usage: $0 up [--nodes N] | status | exec NODE -- CMD | pids NODE | kill-node NODE | revive NODE | ray-up | ray-down | down" >&2; exit 2 ;;
 esac

@@ -414,3 +414,35 @@ def test_an_exception_on_one_node_ends_the_job_promptly_under_srun(tmp_path, bac
     assert len(errors) == 1, log[-4000:]
     rank, node = errors[0]
     assert node == f"node{int(rank) + 1}"  # one task per node, in rank order
+
+
+@pytest.mark.timeout(600)  # measured 40 s on 2 cores
+def test_ray_cluster_across_two_nodes_one_rank_per_node_gives_the_local_digest(tmp_path):
+    """scripts/local-cluster.sh ray-up: a Ray head on node1 and a worker on node2, joined over
+    the fabric; 'hvdkit run --launcher ray --ray-placement spread' from node1 puts one rank on
+    each node, on both backends, and ends on the weights of a one-machine horovodrun run."""
+    pytest.importorskip("ray")
+    args = ["--", "--model", "mlp", "--epochs", "2", "--steps-per-epoch", "8", "--num-samples", "1024"]
+    local = subprocess.run([sys.executable, "-m", "hvdkit", "run", "-np", "2", *args], env=base_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert local.returncode == 0, local.stderr[-2000:]
+    cluster("ray-up", timeout=300)
+    try:
+        for backend in ("ddp", "horovod"):
+            out = cluster("exec", "node1", "--", "env", *[f"{k}={v}" for k, v in base_env().items()
+                                                            if k in ("PYTHONPATH", "OMPI_ALLOW_RUN_AS_ROOT",
+                                                                     "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")],
+                          sys.executable, "-m", "hvdkit", "run", "-np", "2", "--launcher", "ray", "--ray-address",
+                          "10.233.2.1:6379", "--ray-placement", "spread", "--iface", "eth1", "--backend", backend,
+                          *args, timeout=300)
+            done = re.search(r"done: backend=(\w+) .* digest=(\w+) ranks=0@(\w+):\d+ 1@(\w+):\d+", out)
+            assert done and done.group(1) == backend, out[-2000:]
+            assert {done.group(3), done.group(4)} == {"node1", "node2"}, out[-1000:]  # one rank per node
+            assert done.group(2) == re.search(r"digest=(\w+)", local.stdout).group(1)
+    finally:
+        cluster("ray-down", timeout=120)
+    for node in ("node1", "node2"):  # ray-down stopped every Ray process, found by recorded PID
+        pids = cluster("pids", node).split()
+        left = subprocess.run(["ps", "-o", "args=", "-p", ",".join(pids)], capture_output=True, text=True,
+                              timeout=30).stdout if pids else ""
+        assert "raylet" not in left and "gcs_server" not in left, left

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
 import os
 import re
@@ -30,7 +31,7 @@ from ..launch.local import (
     training_program,
 )
 from ..launch.output import run_with_log
-from ..launch.vocabulary import CONSOLE_TTY_VAR, IFACE_VAR, check_iface_name
+from ..launch.vocabulary import CONSOLE_TTY_VAR, IFACE_VAR, check_iface_name, iface_env
 from ..log import debug
 from .common import config_option, ray_options, ray_spec, translate_errors
 from .validate import check_program, check_train_args, is_program
@@ -156,7 +157,7 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
                 if on]
     if launcher == "ray":
         run_on_ray(np, backend, args, ray_address, ray_placement, cpus_per_task, gpus_per_task, elastic, hosts,
-                   dry_run or bool(write_script), log_dir, tty)
+                   dry_run or bool(write_script), log_dir, tty, iface)
         return
     if ray_only:
         raise click.UsageError(f"{ray_only[0]} places ranks on Ray. HINT: add --launcher ray, or drop it")
@@ -221,7 +222,8 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
 
 
 def run_on_ray(np: int, backend: str, args: tuple[str, ...], address: str | None, placement: str, cpus: int,
-               gpus: int, elastic: bool, hosts: str | None, dry_run: bool, log_dir: str | None, tty: bool) -> None:
+               gpus: int, elastic: bool, hosts: str | None, dry_run: bool, log_dir: str | None, tty: bool,
+               iface: str | None) -> None:
     """``hvdkit run --launcher ray``: every check before Ray starts, then the ranks on Ray workers."""
     from ..launch.output import ConsoleLog
     from ..rayrun.cluster import check_fits, connect, worker_env
@@ -235,14 +237,15 @@ def run_on_ray(np: int, backend: str, args: tuple[str, ...], address: str | None
         ray_backend(backend)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    spec = ray_spec(np, address, placement, cpus, gpus)
+    spec = dataclasses.replace(ray_spec(np, address, placement, cpus, gpus),
+                               iface=check_iface_name(iface) if iface else None)
     if is_program(args):
         check_program(args)
         program = list(args)
     else:
         check_train_args(args, backend=backend)
         program = [PYTHON, "-m", "hvdkit", "train", "--backend", backend, *args]
-    env = worker_env({CONSOLE_TTY_VAR: "1"} if tty else {})
+    env = worker_env({**({CONSOLE_TTY_VAR: "1"} if tty else {}), **(iface_env(iface) if iface else {})})
     console = ConsoleLog(log_dir, progress=tty)
     code = 1
     try:

@@ -36,6 +36,7 @@ class RaySpec:
     placement: str = "pack"         # pack | spread (PLACEMENTS)
     cpus_per_task: float = 1.0
     gpus_per_task: float = 0.0
+    iface: str | None = None        # --iface: the interface Gloo, NCCL and Horovod's rendezvous use
 
     def __post_init__(self) -> None:
         if self.np < 1:

@@ -135,7 +135,9 @@ class _HorovodGroup:
     def __init__(self, spec: RaySpec, env: Mapping[str, str]) -> None:
         from horovod.ray import RayExecutor
 
-        settings = RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=60)
+        # nics: Horovod otherwise probes every interface between the nodes to pick one
+        settings = RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=60,
+                                               nics={spec.iface} if spec.iface else None)
         shape = ({"num_hosts": spec.np, "num_workers_per_host": 1} if spec.placement == "spread"
                  else {"num_workers": spec.np})
         self.executor = RayExecutor(settings, cpus_per_worker=max(1, int(spec.cpus_per_task)),
