@@ -446,3 +446,34 @@ def test_ray_cluster_across_two_nodes_one_rank_per_node_gives_the_local_digest(t
         left = subprocess.run(["ps", "-o", "args=", "-p", ",".join(pids)], capture_output=True, text=True,
                               timeout=30).stdout if pids else ""
         assert "raylet" not in left and "gcs_server" not in left, left
+
+
+@pytest.mark.timeout(900)  # measured 70 s on 2 cores
+def test_ray_sbatch_job_starts_ray_in_the_allocation_is_preempted_requeued_and_resumes_exactly(tmp_path):
+    """hvdkit slurm --engine ray, submitted for real: Ray's head on the first node, a worker on
+    the second, joined before training (polled); USR1 to the batch shell reaches every rank
+    through 'hvdkit run', the ranks checkpoint and exit 75, the shell requeues the job, and the
+    requeued job starts Ray again, resumes, and ends on the weights of a run never preempted."""
+    pytest.importorskip("ray")
+    train = ["--model", "mlp", "--epochs", "3", "--steps-per-epoch", "60", "--num-samples", "8192"]
+    straight = subprocess.run([sys.executable, "-m", "hvdkit", "run", "-np", "2", "--backend", "ddp", "--", *train],
+                              env=base_env(), capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    script = render(tmp_path, "rayjob", "-N", "2", "--tasks-per-node", "1", "--engine", "ray", "--backend", "ddp",
+                    "--checkpoint-dir", str(tmp_path / "ck"), "--", *train,
+                    "--metrics-file", str(tmp_path / "m.json"))
+    text = script.read_text()
+    assert "#SBATCH --signal=B:USR1@90" in text and "#SBATCH --ntasks-per-node=1" in text
+    job = sbatch(script, tmp_path)
+    log = tmp_path / f"rayjob-{job}.out"
+    wait_for_text(log, "epoch 0 loss", job, timeout=240)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=30)
+    assert wait_done(job, timeout=400, kick_requeued=True) == "COMPLETED"
+    out = log.read_text()
+    assert "[sbatch] Ray: 2 node(s) joined" in out and "requeueing job" in out, out[-3000:]
+    stop = int(re.search(r"preempted at step (\d+) by SIGUSR1; checkpoint saved", out).group(1))
+    assert re.search(rf"resumed from \S+ckpt-{stop:09d}\.h5 \(step {stop}\)", out), out[-2000:]
+    assert "restart 1" in out and "Traceback" not in out
+    m = read_metrics(tmp_path / "m.json")
+    assert m["param_digest"] == re.search(r"digest=(\w+)", straight.stdout).group(1)
+    assert {p["host"] for p in m["placement"]} == {"node1", "node2"}

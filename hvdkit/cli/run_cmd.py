@@ -217,7 +217,7 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
             f"{argv[0]} not found. HINT: run ./scripts/setup.sh (installs Open MPI and Horovod) "
             "and activate .venv") from None
     if outcome.returncode != 0:
-        click.echo(f"Error: {outcome.summary()}", err=True)
+        click.echo(outcome.closing_line(), err=True)
     sys.exit(outcome.returncode)
 
 
@@ -257,5 +257,5 @@ def run_on_ray(np: int, backend: str, args: tuple[str, ...], address: str | None
         raise click.UsageError(str(exc)) from None
     outcome = console.close(code)
     if code != 0:
-        click.echo(f"Error: {outcome.summary()}", err=True)
+        click.echo(outcome.closing_line(), err=True)
     sys.exit(code)

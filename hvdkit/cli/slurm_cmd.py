@@ -15,7 +15,7 @@ from ..config import HorovodOptions
 from ..errors import ConfigError
 from ..fileio import write_text_atomic
 from ..launch.local import training_program
-from ..launch.slurm import SLURM_LAUNCHERS, SRUN_MPI, SlurmJob, render_sbatch, submit
+from ..launch.slurm import RAY_ENGINE, SLURM_LAUNCHERS, SRUN_MPI, SlurmJob, render_sbatch, submit
 from ..launch.vocabulary import ELASTIC_LAUNCHER, iface_env
 from .common import config_option, translate_errors
 from .validate import check_array_params, check_program, check_train_args, is_program
@@ -43,8 +43,10 @@ def build_job(o: dict[str, Any]) -> SlurmJob:
         env += sorted(iface_env(o["iface"]).items())
     python = "python" if (o["venv"] or o["conda_env"]) else sys.executable
     args = tuple(o["args"])
-    if not o["requeue"] and not (args and not args[0].startswith("-")):
-        args += ("--no-requeue",)  # hvdkit train must not 'scontrol requeue' itself either
+    if (not o["requeue"] or o["launcher"] == RAY_ENGINE) and not (args and not args[0].startswith("-")):
+        # hvdkit train must not 'scontrol requeue' itself: not asked for, or (Ray) the batch
+        # shell requeues once the ranks exited 75 and their last lines reached the log
+        args += ("--no-requeue",)
     return SlurmJob(
         program=tuple(training_program(o["backend"], args, python)),
         backend=o["backend"], job_name=o["job_name"], nodes=o["nodes"],
@@ -98,6 +100,9 @@ def _print_template_dir(ctx: click.Context) -> None:
 @click.option("--fusion-threshold-mb", type=click.FloatRange(min=0), default=None, help="HOROVOD_FUSION_THRESHOLD.")
 @click.option("--cycle-time-ms", type=click.FloatRange(min=0, min_open=True), default=None, help="HOROVOD_CYCLE_TIME.")
 @click.option("--iface", default=None, help="Network interface for NCCL/Gloo/Horovod (e.g. ib0).")
+@click.option("--engine", type=click.Choice(["launcher", "ray"]), default="launcher", show_default=True,
+              help="launcher: the ranks are started by --launcher; ray: Ray is started inside the allocation "
+                   "(head on the first node) and hvdkit run --launcher ray places the ranks (docs/ray.md).")
 @click.option("--launcher", type=click.Choice(SLURM_LAUNCHERS), default=None,
               help="How the step starts the ranks [default: srun; horovodrun with --elastic].")
 @click.option("--elastic", is_flag=True,
@@ -142,6 +147,11 @@ def slurm_command(**o: Any) -> None:
                  if k not in ("print_config", "submit", "out")}
         click.echo(yaml.safe_dump(shown, sort_keys=True), nl=False)
         return
+    if o["engine"] == "ray":
+        if o["launcher"] is not None:
+            raise click.UsageError("--launcher cannot be combined with --engine ray. HINT: Ray starts the ranks; "
+                                   "drop --launcher")
+        o["launcher"] = RAY_ENGINE
     if o["launcher"] is None:
         o["launcher"] = ELASTIC_LAUNCHER if o["elastic"] else "srun"
     if not o["elastic"] and (o["min_nodes"] or o["blacklist_cooldown_range"]):

@@ -91,6 +91,16 @@ class RunOutcome:
     errors: list[str]
     causes: list[str]
 
+    def closing_line(self) -> str:
+        """What 'hvdkit run' prints last for a run that did not succeed: a preemption (exit 75)
+        is not a failure, the rest is one Error: line."""
+        from ..preemption import EXIT_PREEMPTED
+
+        if self.returncode == EXIT_PREEMPTED:
+            return ("preempted (exit 75): the ranks saved a checkpoint and stopped, not requeued; "
+                    "run the same command again to resume from it")
+        return f"Error: {self.summary()}"
+
     def summary(self) -> str:
         """One line: the first rank error (or hidden exception), and the log file.
 

@@ -23,12 +23,14 @@ from .templates import Raw, check_env_name, render_template, template_dir
 from .vocabulary import (
     ELASTIC_LAUNCHER,
     FORWARDED_VARS,
+    IFACE_VAR,
     MASTER_PORT_BASE,
     MASTER_PORT_SPAN,
     MPI_DEFAULTS,
     MPIRUN_BASE,
     ROOT_MPI_VARS,
     STOP_FILE_VAR,
+    check_iface_name,
 )
 
 __all__ = ["SlurmJob", "render_sbatch", "submit", "parse_time", "array_indices", "SRUN_MPI",
@@ -36,6 +38,8 @@ __all__ = ["SlurmJob", "render_sbatch", "submit", "parse_time", "array_indices",
 
 SRUN_MPI = ("pmix", "pmi2", "none")
 SLURM_LAUNCHERS = ("srun", "mpirun", "horovodrun")
+RAY_ENGINE = "ray"  # hvdkit slurm --engine ray: Ray started inside the allocation (slurm/ray.sbatch)
+RAY_JOIN_TIMEOUT_S = 300  # how long the script waits for every node's Ray to join before it fails
 _NAME_LIST = re.compile(r"^[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*$")
 _MEM = re.compile(r"^\d+(\.\d+)?[KMGT]?$")
 _ARRAY_ITEM = re.compile(r"^(\d+)(?:-(\d+))?(?::(\d+))?$")
@@ -164,8 +168,14 @@ class SlurmJob:
                                   "use letters, digits, '_', '-', '.' (comma-separated for several)")
         if self.mem is not None and not _MEM.match(self.mem):
             raise ConfigError(f"--mem {self.mem!r} is not a Slurm memory size", "use e.g. 16G or 4000M")
-        if self.launcher not in SLURM_LAUNCHERS:
+        if self.launcher not in (*SLURM_LAUNCHERS, RAY_ENGINE):
             raise ConfigError(f"--launcher {self.launcher!r} is not known", f"use {', '.join(SLURM_LAUNCHERS)}")
+        if self.launcher == RAY_ENGINE:
+            for flag, on in (("--elastic", self.elastic_min_nodes is not None), ("--array", bool(self.array)),
+                             ("--gpus-per-task", self.gpus_per_task is not None)):
+                if on:
+                    raise ConfigError(f"{flag} cannot be combined with --engine ray",
+                                      "Ray places the ranks inside the allocation: drop it (GPUs: --gpus-per-node)")
         if self.srun_mpi is not None and self.srun_mpi not in SRUN_MPI:
             raise ConfigError(f"--srun-mpi {self.srun_mpi!r} is not known", f"use {', '.join(SRUN_MPI)}")
         if self.srun_mpi is not None and self.srun_mpi not in backend.srun_mpi:
@@ -221,9 +231,12 @@ class SlurmJob:
 
 
 def _context(job: SlurmJob, template: str) -> dict[str, Any]:
+    ray = job.launcher == RAY_ENGINE  # one 'ray start' task per node, holding its ranks' CPUs
+    iface = Raw(check_iface_name(dict(job.env)[IFACE_VAR])) if IFACE_VAR in dict(job.env) else None
     directives: list[tuple[str, Any]] = [
-        ("job-name", job.job_name), ("nodes", job.nodes), ("ntasks-per-node", job.tasks_per_node),
-        ("cpus-per-task", job.cpus_per_task), ("time", job.time), ("output", job.log_path),
+        ("job-name", job.job_name), ("nodes", job.nodes), ("ntasks-per-node", 1 if ray else job.tasks_per_node),
+        ("cpus-per-task", job.cpus_per_task * (job.tasks_per_node if ray else 1)), ("time", job.time),
+        ("output", job.log_path),
         ("error", job.error or job.log_path), ("open-mode", "append"),
     ]
     optional = [("gpus-per-node", job.gpus_per_node or None), ("gpus-per-task", job.gpus_per_task),
@@ -231,8 +244,10 @@ def _context(job: SlurmJob, template: str) -> dict[str, Any]:
                 ("qos", job.qos), ("constraint", job.constraint), ("array", job.array)]
     directives += [(k, v) for k, v in optional if v is not None]
     if job.signal_seconds:
-        # elastic workers are not Slurm steps: only the batch shell (B:) can be told
-        sig = f"B:{job.signal}" if job.elastic_min_nodes and not job.signal.startswith("B:") else job.signal
+        # elastic workers are not Slurm steps, and Ray's steps are 'ray start' (which a USR1 would
+        # end): only the batch shell (B:) is told, and it passes the signal on
+        shell_only = job.elastic_min_nodes or job.launcher == RAY_ENGINE
+        sig = f"B:{job.signal}" if shell_only and not job.signal.startswith("B:") else job.signal
         directives.append(("signal", Raw(f"{sig}@{job.signal_seconds}")))
     # explicit both ways: a site's JobRequeue=1 default would requeue a job that has neither
     flags = (["--requeue"] if job.requeue else ["--no-requeue"]) + [Raw(x) for x in job.extra_sbatch]
@@ -256,12 +271,19 @@ def _context(job: SlurmJob, template: str) -> dict[str, Any]:
         "mpi_defaults": [(Raw(k), v) for k, v in MPI_DEFAULTS.items()],
         "mpirun_base": list(MPIRUN_BASE),
         "slots": job.tasks_per_node,  # for the elastic host discovery
+        # --engine ray (slurm/ray.sbatch)
+        "np": job.ntasks, "node_cpus": job.cpus_per_task * job.tasks_per_node, "node_gpus": job.gpus_per_node,
+        "rank_gpus": job.gpus_per_node // job.tasks_per_node if job.gpus_per_node else 0,
+        "placement": Raw("spread" if job.tasks_per_node == 1 and job.nodes > 1 else "pack"),
+        "iface": iface, "node_ip": Raw(f'ip -4 -o addr show dev {iface} | awk "{{print \\$4}}" | cut -d/ -f1'
+                                       if iface else 'getent ahostsv4 "$(hostname)" | awk "NR==1{print \\$1}"'),
+        "join_timeout": RAY_JOIN_TIMEOUT_S,
     }
 
 
 def render_sbatch(job: SlurmJob, templates: Path | None = None) -> str:
     """The sbatch script for ``job`` (pure: no files written, nothing submitted)."""
-    name = traits(job.backend).sbatch_template
+    name = "ray.sbatch" if job.launcher == RAY_ENGINE else traits(job.backend).sbatch_template
     return render_template(name, _context(job, name), templates or template_dir())
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 
 __all__ = ["RaySpec", "PLACEMENTS", "require_ray", "probe_address", "connect", "check_fits", "worker_env",
-           "CONNECT_TIMEOUT_S"]
+           "wait_for_nodes", "CONNECT_TIMEOUT_S"]
 
 # pack: as few nodes as possible (Ray's PACK); spread: one rank per node (STRICT_SPREAD), the
 # layout of one rank per GPU node
@@ -138,3 +138,41 @@ def check_fits(spec: RaySpec, what: str = "the run", extra_cpus: float = 0.0) ->
             raise ConfigError(f"--ray-placement spread puts one rank per node, and only {len(fit)} of the "
                               f"cluster's {len(nodes)} node(s) can hold one of the {spec.np} ranks",
                               "use --ray-placement pack, or add nodes")
+
+
+def wait_for_nodes(address: str, nodes: int, timeout_s: float) -> None:
+    """Until ``nodes`` Ray nodes are alive at ``address`` (the cluster's own count, polled), or
+    exit with one line after ``timeout_s``: what a job script runs instead of ``sleep``."""
+    import logging
+    import sys
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    host, _, port = address.rpartition(":")
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                sys.exit(f"Error: no Ray head answered at {address} within {timeout_s:.0f} s")
+            time.sleep(0.5)
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    import ray
+
+    ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False, configure_logging=True)
+    try:
+        while (alive := sum(1 for n in ray.nodes() if n.get("Alive"))) < nodes:
+            if time.monotonic() > deadline:
+                sys.exit(f"Error: {alive} of {nodes} Ray nodes joined {address} within {timeout_s:.0f} s")
+            time.sleep(0.5)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":  # python -m hvdkit.rayrun.cluster wait ADDRESS NODES TIMEOUT_S (slurm/ray.sbatch)
+    import sys
+
+    if len(sys.argv) != 5 or sys.argv[1] != "wait":
+        sys.exit("usage: python -m hvdkit.rayrun.cluster wait ADDRESS NODES TIMEOUT_S")
+    wait_for_nodes(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
