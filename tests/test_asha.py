@@ -107,7 +107,7 @@ def _space(tmp_path: Path, lrs: list[float], epochs: int, metric: str = "val_los
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(240)  # measured 10 s (2 cores, loaded)
 def test_local_asha_sweep_prunes_by_the_rule(tmp_path):
     space, out = _space(tmp_path, [0.06, 0.001, 0.25, 0.004, 0.002, 0.03], 9), tmp_path / "out"
     proc = subprocess.run([*HVDKIT, "sweep", str(space), "--out", str(out), "--backend", "local",
@@ -122,7 +122,7 @@ def test_local_asha_sweep_prunes_by_the_rule(tmp_path):
 
 
 @pytest.mark.slurm
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(420)  # measured 33 s (2 cores, loaded)
 def test_slurm_array_asha_sweep_of_nine_two_rank_trials(tmp_path):
     lrs = [0.06, 0.001, 0.25, 0.004, 0.002, 0.03, 0.008, 0.12, 0.016]
     space, out = _space(tmp_path, lrs, 9, "val_accuracy", "max"), tmp_path / "out"

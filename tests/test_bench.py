@@ -70,7 +70,7 @@ def test_ratio_ci_resamples_rounds_not_steps():
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(420)  # measured 48 s (2 cores, loaded)
 def test_quick_bench_tiny(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([*HVDKIT, "bench", "--quick", "--out", str(out), "--models", "mlp",

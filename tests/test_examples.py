@@ -11,7 +11,7 @@ from helpers import PY, ROOT, base_env, check, launch
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(200)  # measured 10 s (2 cores, loaded)
 def test_custom_loop_same_losses_on_both_backends():
     script = str(ROOT / "examples" / "custom_loop.py")
     hvd = check(launch("hvd-gloo", 2, [PY, script, "--backend", "horovod"]))
@@ -23,7 +23,7 @@ def test_custom_loop_same_losses_on_both_backends():
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120)  # measured 7 s (2 cores, loaded)
 def test_train_example_single_process_and_mpirun():
     script = str(ROOT / "examples" / "train.py")
     out = check(launch("mpirun", 2, [PY, script, "--backend", "ddp", "--model", "cnn", "--epochs", "1",

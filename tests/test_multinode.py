@@ -127,7 +127,7 @@ def layout_runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(600)  # measured 52 s (2 cores, loaded)
 @pytest.mark.parametrize("backend", ["ddp", "horovod"])
 @pytest.mark.parametrize("layout", ["2x1", "2x2"])
 def test_two_nodes_match_one_node(layout_runs, backend, layout):
@@ -153,7 +153,7 @@ def test_two_nodes_match_one_node(layout_runs, backend, layout):
     assert metrics["param_digest"] == twin["param_digest"]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(600)  # its runs are the layout_runs fixture's: measured 52 s (2 cores, loaded)
 def test_open_mpi_uses_tcp_between_nodes_and_shared_memory_within(layout_runs):
     _, log = layout_runs["horovod", "2x2"]
     # [node1:pid] mca: bml: Using tcp btl for send to [[job,1],2] on node node2
@@ -175,7 +175,7 @@ RUNS = {
 }
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # measured 6 s (2 cores, loaded)
 @pytest.mark.parametrize("kind", sorted(RUNS))
 def test_hvdkit_run_across_hosts_on_the_fabric(tmp_path, kind):
     metrics_file = tmp_path / "m.json"
@@ -191,7 +191,7 @@ def test_hvdkit_run_across_hosts_on_the_fabric(tmp_path, kind):
     assert_gradients_on_fabric(delta)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # measured 7 s (2 cores, loaded)
 @pytest.mark.parametrize("backend", ["ddp", "horovod"])
 def test_sbatch_iface_pins_traffic_to_the_fabric(tmp_path, backend):
     script = render(tmp_path, f"iface-{backend}", "--backend", backend, "-N", "2", "--iface", "eth1",
@@ -204,7 +204,7 @@ def test_sbatch_iface_pins_traffic_to_the_fabric(tmp_path, backend):
     assert_gradients_on_fabric(delta)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # measured 5 s (2 cores, loaded)
 @pytest.mark.parametrize("backend", ["ddp", "horovod"])
 def test_wrong_iface_fails_on_every_rank_in_one_line(tmp_path, backend):
     script = render(tmp_path, f"badif-{backend}", "--backend", backend, "-N", "2", "--iface", "ib7",
@@ -228,7 +228,7 @@ def test_hvdkit_run_refuses_a_missing_iface_at_once():
 # ---------------------------------------------------------------------------------------------
 # 4. Requeue onto another node; 5. a node dies mid-run
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(420)  # measured 16 s (2 cores, loaded)
 def test_requeue_resumes_on_another_node(tmp_path, layout_runs, nodes_restored):
     subprocess.run(["scontrol", "update", "nodename=node2", "state=drain", "reason=hvdkit-test"],
                    check=True, timeout=30)          # so the job must start on node1
@@ -255,7 +255,6 @@ def test_requeue_resumes_on_another_node(tmp_path, layout_runs, nodes_restored):
     assert metrics["param_digest"] == reference["param_digest"]
 
 
-@pytest.mark.timeout(420)
 def _node2_dies_mid_run(tmp_path, name: str, backend: str) -> tuple[Path, str, Path, float]:
     """A 2-node job that checkpoints every 8 steps; node2 is killed once epoch 1 is logged.
     Returns (the script, the job, its log, when node2 was killed)."""
@@ -270,6 +269,7 @@ def _node2_dies_mid_run(tmp_path, name: str, backend: str) -> tuple[Path, str, P
     return script, job, log_path, killed_at
 
 
+@pytest.mark.timeout(420)  # measured 56 s (2 cores, loaded); the mark sat on the helper, where it did nothing
 def test_node_death_ends_the_job_in_one_line_and_a_rerun_resumes(tmp_path, nodes_restored):
     ck = tmp_path / "ck"
     script, job, log_path, killed_at = _node2_dies_mid_run(tmp_path, "crash", "ddp")
@@ -292,7 +292,7 @@ def test_node_death_ends_the_job_in_one_line_and_a_rerun_resumes(tmp_path, nodes
     assert re.search(r"resumed from .*ckpt-\d+\.h5", relog) and "done: backend=ddp world=2" in relog
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(420)  # measured 47 s (2 cores, loaded)
 def test_horovod_mpi_controller_node_death_is_one_line_and_keeps_the_checkpoint(tmp_path, nodes_restored):
     """Horovod over MPI (srun --mpi=pmix, the MPI controller) across 2 nodes: node2 dies."""
     ck = tmp_path / "ck"
@@ -312,7 +312,7 @@ def test_horovod_mpi_controller_node_death_is_one_line_and_keeps_the_checkpoint(
     assert show.returncode == 0 and "OK" in show.stdout, show.stdout + show.stderr
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(400)  # measured 17 s (2 cores, loaded)
 def test_elastic_on_one_cluster_node_with_two_slots(tmp_path):
     """Discovery 'node1:2' on node1 itself: trains, shrinks when a worker dies, grows back."""
     text, resets, first = elastic_one_host(tmp_path, "node1", prefix=[str(CLUSTER), "exec", "node1", "--"],
@@ -325,7 +325,7 @@ def test_elastic_on_one_cluster_node_with_two_slots(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # 8. hvdkit doctor inside a 2-node allocation
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # measured 8 s (2 cores, loaded)
 def test_doctor_in_a_two_node_allocation(tmp_path):
     script = tmp_path / "doctor.sh"
     script.write_text(
@@ -346,7 +346,7 @@ def test_doctor_in_a_two_node_allocation(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # 7. Horovod Elastic across nodes: a node lost mid-run and added back
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(400)  # measured 41 s (2 cores, loaded)
 def test_elastic_sbatch_job_loses_a_node_takes_it_back_and_sees_every_sample(tmp_path, nodes_restored):
     """hvdkit slurm --elastic, submitted: node2 crashes mid-epoch (worker, slurmd, sshd), the job
     (--no-kill) goes on with node1, node2 comes back and rejoins; then USR1 to the batch shell
@@ -393,7 +393,7 @@ def test_elastic_sbatch_job_loses_a_node_takes_it_back_and_sees_every_sample(tmp
         assert sorted(i for r in records if r["epoch"] == epoch for i in r["ids"]) == list(range(2048)), epoch
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(200)  # measured 6 s (2 cores, loaded)
 @pytest.mark.parametrize("backend", ["ddp", "horovod"])
 def test_an_exception_on_one_node_ends_the_job_promptly_under_srun(tmp_path, backend):
     """srun --kill-on-bad-exit: one unreadable sample on node2's shard fails that rank mid-epoch;

@@ -37,7 +37,7 @@ def _hvdkit_run(backend: str, tmp_path, *train_args: str) -> subprocess.Complete
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120)  # measured 6 s (2 cores, loaded)
 @pytest.mark.parametrize("backend", ["horovod", "ddp"])
 def test_nan_stops_at_the_step_and_keeps_the_last_finite_checkpoint(tmp_path, backend):
     data, ckpts = _poisoned(tmp_path), tmp_path / "ckpt"
@@ -65,7 +65,7 @@ def test_nan_stops_at_the_step_and_keeps_the_last_finite_checkpoint(tmp_path, ba
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120)  # measured 4 s (2 cores, loaded)
 def test_warn_mode_goes_on_but_never_saves_nan_weights(tmp_path):
     data, ckpts = _poisoned(tmp_path), tmp_path / "ckpt"
     step, _ = _where_poison_lands()

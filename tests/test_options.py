@@ -17,7 +17,7 @@ def test_warmup_ramps_from_unscaled_to_scaled_lr():
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # measured 9 s (2 cores, loaded)
 @pytest.mark.parametrize("backend,kind", [("horovod", "hvd-gloo"), ("ddp", "mpirun")])
 def test_fp16_compression_trains_and_stays_in_sync(tmp_path, backend, kind):
     args = [*HVDKIT, "train", "--backend", backend, "--model", "mlp", "--epochs", "2", "--num-samples", "512"]
@@ -29,7 +29,7 @@ def test_fp16_compression_trains_and_stays_in_sync(tmp_path, backend, kind):
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(200)  # measured 6 s (2 cores, loaded)
 def test_adasum_and_warmup_under_mpi(tmp_path):
     metrics, out = launch_metrics("hvd-mpi", 2, [*HVDKIT, "train", "--backend", "horovod", "--hvd-op", "adasum",
                                                  "--model", "mlp", "--epochs", "2", "--num-samples", "512",

@@ -35,7 +35,7 @@ def _done(text: str) -> tuple[int, str]:
 
 
 @pytest.mark.slurm
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(420)  # measured 24 s (2 cores, loaded)
 @pytest.mark.parametrize("backend", ["horovod", "ddp"])
 def test_custom_loop_preempted_in_slurm_checkpoints_requeues_and_resumes_exactly(tmp_path, backend):
     straight = check(launch(KINDS[backend], 2, [PY, LOOP, "--backend", backend, "--checkpoint-dir",
@@ -80,7 +80,7 @@ print("OK", len(records))
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(200)  # measured 5 s (2 cores, loaded)
 def test_tensorboard_events_read_back_with_tensorboards_own_reader(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -140,7 +140,7 @@ BAR = re.compile(r"epoch \d+:\s+\d+%\|")  # tqdm: "epoch 0:  45%|####      | 9/2
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # measured 15 s (2 cores, loaded)
 def test_a_progress_bar_on_a_terminal_and_plain_lines_in_a_batch_log(tmp_path):
     train = ["--model", "mlp", "--epochs", "2", "--num-samples", "1280", "--batch-size", "16"]
     alone = _in_pty([*HVDKIT, "train", "--backend", "local", *train])

@@ -48,7 +48,7 @@ def reference(precision: str) -> list[dict[str, torch.Tensor]]:
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(240)  # measured 4 s (2 cores, loaded)
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("backend,kind", [("horovod", "hvd-gloo"), ("ddp", "mpirun")])
 def test_mixed_precision_steps_are_identical_on_ranks_and_close_to_one_process(tmp_path, backend, kind,
@@ -65,7 +65,7 @@ def test_mixed_precision_steps_are_identical_on_ranks_and_close_to_one_process(t
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(240)  # measured 12 s (2 cores, loaded)
 def test_horovod_fp16_step_is_the_documented_pattern_and_the_wrong_order_differs(tmp_path):
     ours = run_amp(tmp_path, "horovod", "hvd-gloo", "fp16", "backend")
     manual = run_amp(tmp_path, "horovod", "hvd-gloo", "fp16", "manual")
@@ -78,7 +78,7 @@ def test_horovod_fp16_step_is_the_documented_pattern_and_the_wrong_order_differs
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # measured 13 s (2 cores, loaded)
 @pytest.mark.parametrize("backend,kind", [("horovod", "hvd-gloo"), ("ddp", "mpirun")])
 def test_fp16_resume_with_scaler_state_is_bitwise_exact(tmp_path, backend, kind):
     args = [*HVDKIT, "train", "--backend", backend, "--model", "tiny", "--epochs", "2", "--steps-per-epoch", "6",

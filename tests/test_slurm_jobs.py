@@ -40,7 +40,7 @@ def reference_losses(tmp_path_factory):
     return logs
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(400)  # measured 10 s (2 cores, loaded)
 @pytest.mark.parametrize("backend", ["ddp", "horovod"])
 def test_two_task_training_completes(reference_losses, backend):
     log = reference_losses[backend]
@@ -53,12 +53,12 @@ def test_two_task_training_completes(reference_losses, backend):
     assert 0 < loss < 2.31  # below the ~2.303 of chance on 10 classes: it learned
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # its runs are the reference_losses fixture's: measured 10 s (2 cores, loaded)
 def test_horovod_and_ddp_agree(reference_losses):
     assert final_loss(reference_losses["ddp"]) == final_loss(reference_losses["horovod"])
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(400)  # measured 22 s (2 cores, loaded)
 @pytest.mark.parametrize("who", ["steps", "full", "batch", "usr2", "zero", "fsdp"])
 def test_sigusr1_checkpoints_requeues_and_resumes(tmp_path, reference_losses, who):
     """scancel --signal=USR1 reaches the steps; --full also, --batch only, the batch shell (which traps it).
@@ -90,7 +90,7 @@ def test_sigusr1_checkpoints_requeues_and_resumes(tmp_path, reference_losses, wh
     assert final_loss(log) == final_loss(reference_losses["ddp"])  # nothing lost, nothing repeated
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(400)  # measured 16 s (2 cores, loaded)
 def test_job_array_runs_three_hyperparameter_sets(tmp_path):
     params = tmp_path / "params.txt"
     params.write_text("--lr 0.005\n--lr 0.02 --momentum 0.5\n--lr 0.05 --optimizer adam\n")
@@ -109,7 +109,7 @@ def test_job_array_runs_three_hyperparameter_sets(tmp_path):
     assert len(losses) == 3
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # measured 6 s (2 cores, loaded)
 def test_submit_flag_prints_job_id(tmp_path):
     result = CliRunner().invoke(cli, ["slurm", "--backend", "ddp", "--venv", VENV, "--time", "5:00",
                                       "--output", str(tmp_path / "s-%j.out"), "--submit",

