@@ -453,27 +453,7 @@ ray_up() {
       --disable-usage-stats --temp-dir "/tmp/ray-hvk-node$k"
   done
   # joined when the cluster itself counts n live nodes (polled, never a fixed sleep)
-  if ! in_node node1 env RAY_AUTH_MODE=token "$py" - "$head:$RAY_PORT" "$n" <<'PYEOF'
-import socket, sys, time
-import ray
-address, want = sys.argv[1], int(sys.argv[2])
-host, port = address.rsplit(":", 1)
-deadline = time.monotonic() + 120
-while True:
-    try:
-        socket.create_connection((host, int(port)), timeout=2).close()
-        break
-    except OSError:
-        if time.monotonic() > deadline:
-            sys.exit(f"no GCS at {address} after 120 s")
-        time.sleep(0.5)
-ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-while len([n for n in ray.nodes() if n["Alive"]]) < want:
-    if time.monotonic() > deadline:
-        sys.exit(f"{len([n for n in ray.nodes() if n['Alive']])} of {want} Ray nodes joined after 120 s")
-    time.sleep(0.5)
-PYEOF
-  then
+  if ! in_node node1 env RAY_AUTH_MODE=token "$py" -m hvdkit.rayrun.cluster wait "$head:$RAY_PORT" "$n" 120; then
     die "Ray did not come up; see $STATE/log/ray-node*.out"
   fi
   log "ray up: head $head:$RAY_PORT (node1), $n node(s) joined; stop with: $0 ray-down"
