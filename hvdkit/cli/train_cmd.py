@@ -8,6 +8,7 @@ checks it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import traceback
@@ -44,8 +45,31 @@ ENVIRONMENT_NAMES = ("auto", *ENVIRONMENTS)
 ARG_LISTS = {"model_args": "--model-arg", "dataset_args": "--dataset-arg", "optimizer_args": "--optimizer-arg"}
 
 
+class FiniteFloat(click.FloatRange):
+    """A float option's type: its range (if any), and never nan or inf. A range check alone lets
+    nan through (every comparison with it is false), and no option of training means anything
+    by nan or inf."""
+
+    name = "float"
+
+    def _describe_range(self) -> str:
+        return "finite" if self.min is None and self.max is None else f"finite, {super()._describe_range()}"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        out = super().convert(value, param, ctx)
+        if isinstance(out, float) and not math.isfinite(out):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return out
+
+
 def _opt(*decls: str, **kw: Any):  # noqa: ANN202 - click decorator
+    """Every option of 'hvdkit train'; a float one (plain or a range) is a :class:`FiniteFloat`."""
     kw.setdefault("show_default", True)
+    kind = kw.get("type")
+    if kind is float:
+        kw["type"] = FiniteFloat()
+    elif isinstance(kind, click.FloatRange) and not isinstance(kind, FiniteFloat):
+        kw["type"] = FiniteFloat(kind.min, kind.max, kind.min_open, kind.max_open, kind.clamp)
     return click.option(*decls, **kw)
 
 
