@@ -250,11 +250,13 @@ def test_tune_trial_whose_rank_is_killed_restarts_from_its_checkpoint_and_ends_o
 @pytest.mark.mp
 @pytest.mark.timeout(900)  # measured 60 s on 2 cores
 def test_a_sweep_whose_driver_is_killed_resumes_with_tuner_restore(head, digits, tmp_path):
-    """SIGKILL the driver while trial 1 trains (trial 0 done); --resume DIR finishes the experiment:
-    trial 0 is not trained again, trial 1 continues from its last checkpoint."""
+    """SIGKILL the driver while trial 1 trains; once Ray has ended the dead driver's trials (their
+    ranks are gone: Ray kills a dead job's actors, and a rank dies with its worker), --resume DIR
+    finishes the experiment: no trial starts again from step 0, trial 1 continues from its last
+    checkpoint. Two trials at a time, so the third is created (pending) before the kill."""
     space = _space(tmp_path, digits, "three.yaml", "grid: {lr: [0.003, 0.002, 0.001]}\n")
     out = tmp_path / "out"
-    sweep = ["sweep", "run", str(space), "--engine", "ray", "-np", "2", "--parallel", "1", "--ray-address", head]
+    sweep = ["sweep", "run", str(space), "--engine", "ray", "-np", "2", "--parallel", "2", "--ray-address", head]
     proc = subprocess.Popen([*HVDKIT, *sweep, "--out", str(out)], env=base_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     log = out / "trials" / "trial-001.log"
@@ -263,10 +265,21 @@ def test_a_sweep_whose_driver_is_killed_resumes_with_tuner_restore(head, digits,
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+    ranks = [int(p) for f in (out / "trials").glob("trial-*.log") for p in re.findall(r"\d@\w+:(\d+)", f.read_text())]
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+    wait_until(lambda: all(gone(p) for p in ranks), 120, "the dead driver's ranks to end")
     assert not (out / "results.json").exists()
     resumed = hvdkit(*sweep, "--resume", str(out), timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())
     assert [r["status"] for r in rows] == ["completed"] * 3 and all(r["epochs"] == 3 for r in rows), rows
-    assert (out / "trials" / "trial-000.log").read_text().count("start step 0") == 1  # not trained again
+    for t in range(3):  # each trial trained from step 0 once at most
+        assert (out / "trials" / f"trial-{t:03d}.log").read_text().count("start step 0,") <= 1, t
     assert "tune: restored from trial 1's checkpoint" in log.read_text()
