@@ -253,10 +253,10 @@ def test_a_sweep_whose_driver_is_killed_resumes_with_tuner_restore(head, digits,
     """SIGKILL the driver while trial 1 trains; once Ray has ended the dead driver's trials (their
     ranks are gone: Ray kills a dead job's actors, and a rank dies with its worker), --resume DIR
     finishes the experiment: no trial starts again from step 0, trial 1 continues from its last
-    checkpoint. Two trials at a time, so the third is created (pending) before the kill."""
+    checkpoint. Every trial exists (pending) from the start, so the restored experiment has all three."""
     space = _space(tmp_path, digits, "three.yaml", "grid: {lr: [0.003, 0.002, 0.001]}\n")
     out = tmp_path / "out"
-    sweep = ["sweep", "run", str(space), "--engine", "ray", "-np", "2", "--parallel", "2", "--ray-address", head]
+    sweep = ["sweep", "run", str(space), "--engine", "ray", "-np", "2", "--ray-address", head]
     proc = subprocess.Popen([*HVDKIT, *sweep, "--out", str(out)], env=base_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     log = out / "trials" / "trial-001.log"

@@ -80,7 +80,7 @@ def sweep_status_command(directory: str) -> None:
               help="Each trial's backend (local: one plain process, -np 1, not with --slurm).")
 @click.option("-np", "--np", "np", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks per trial.")
 @click.option("--parallel", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Trials at a time (Ray: at most, as its resources allow).")
+              help="Local trials at a time (Ray: the cluster's resources decide, -c/--gpus-per-task).")
 @click.option("--slurm", is_flag=True, help="Run the trials as a Slurm job array instead of locally.")
 @click.option("--venv", default=None, help="Slurm: virtualenv to activate on the nodes.")
 @click.option("-t", "--time", "time_limit", default="01:00:00", show_default=True, help="Slurm: per-trial limit.")
@@ -126,7 +126,7 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
     out_dir = Path(resume or out).resolve()
     if engine == "ray" and not collect:
         _sweep_on_ray(out_dir, spec, backend, ray_spec(np, ray_address, ray_placement, cpus_per_task, gpus_per_task),
-                      bool(resume), max_failures, parallel)
+                      bool(resume), max_failures)
     elif not collect:
         trials = write_trials(out_dir, spec)
         click.echo(f"{len(trials)} trials written to {out_dir / 'trials'}", err=True)
@@ -171,8 +171,7 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
     click.echo(f"wrote {out_dir / 'results.md'}, results.json, results.png", err=True)
 
 
-def _sweep_on_ray(out_dir: Path, spec: object, backend: str, ray: object, resume: bool, max_failures: int,
-                  parallel: int) -> None:
+def _sweep_on_ray(out_dir: Path, spec: object, backend: str, ray: object, resume: bool, max_failures: int) -> None:
     """The trials as one Ray Tune experiment (hvdkit.rayrun.tune); resumed from out_dir with ``resume``."""
     from ..rayrun.cluster import connect
     from ..rayrun.tune import DRIVER_CPU, run_tune
@@ -193,7 +192,7 @@ def _sweep_on_ray(out_dir: Path, spec: object, backend: str, ray: object, resume
     try:
         with connect(ray, extra_cpus=DRIVER_CPU):  # type: ignore[arg-type]
             summary = run_tune(out_dir, spec, trials, backend, ray, resume=resume,  # type: ignore[arg-type]
-                               max_failures=max_failures, parallel=parallel)
+                               max_failures=max_failures)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     summary["wall_s"] = round(time.monotonic() - started, 1)

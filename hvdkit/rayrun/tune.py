@@ -156,7 +156,7 @@ def _tune_metric(spec: SweepSpec) -> str:
 
 
 def run_tune(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend: str, ray_spec: RaySpec,
-             resume: bool = False, max_failures: int = 2, parallel: int = 2) -> dict[str, Any]:
+             resume: bool = False, max_failures: int = 2) -> dict[str, Any]:
     """Run (or with ``resume`` continue) the experiment; write each trial's results file where
     ``hvdkit train`` did not (a pruned or failed trial), so hvdkit.sweep.collect_results reads all."""
     import functools
@@ -186,10 +186,11 @@ def run_tune(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend: 
             space[key] = tune.sample_from(functools.partial(_initial, key=key, trials=trials, fixed=spec.fixed))
         tuner = tune.Tuner(
             trainable, param_space=space,
-            # PBT takes turns only among trials that exist: it pauses a trial at each perturbation
-            # while others wait (PENDING), so every trial is created at once and resources decide
-            tune_config=tune.TuneConfig(scheduler=_scheduler(spec), num_samples=1, reuse_actors=False,
-                                        max_concurrent_trials=None if spec.scheduler == "pbt" else parallel),
+            # no max_concurrent_trials: every trial is created at once (PENDING) and the cluster's
+            # resources decide how many run. A cap leaves later trials ungenerated, and then
+            # (1) PBT cannot take turns with them, and (2) Tuner.restore after a lost driver waited
+            # forever for a trial the snapshot never held (seen: --parallel 1, 3 trials)
+            tune_config=tune.TuneConfig(scheduler=_scheduler(spec), num_samples=1, reuse_actors=False),
             run_config=tune.RunConfig(name=EXPERIMENT, storage_path=storage, verbose=0,
                                       # ended at its last epoch, not paused there for PBT to resume
                                       stop={"epochs": int(spec.fixed.get("epochs", 1))},
