@@ -66,23 +66,22 @@ def run_rank(program: Sequence[str], env: Mapping[str, str], cwd: str, rank: int
         t.start()
     seen = 0
 
-    def flush() -> None:
+    def exchange() -> list[int]:
+        """One round trip: this rank's new lines out, the driver's new signals in."""
         with lock:
             batch = lines[:]
             lines.clear()
-        if batch:
-            ray.get(relay.push.remote(batch))
+        return ray.get(relay.exchange.remote(batch, seen))
 
     while proc.poll() is None:
         time.sleep(0.2)
-        flush()
-        signals = ray.get(relay.signals.remote(seen))
+        signals = exchange()
         for sig in signals:
             proc.send_signal(sig)
         seen += len(signals)
     for t in pumps:
         t.join()
-    flush()
+    exchange()
     return int(proc.returncode)
 
 
@@ -93,8 +92,10 @@ class _Relay:
         self._lines: list[tuple[int, str, str]] = []
         self._signals: list[int] = []
 
-    def push(self, batch: list[tuple[int, str, str]]) -> None:
+    def exchange(self, batch: list[tuple[int, str, str]], since: int) -> list[int]:
+        """A rank's lines in; the signals it has not seen yet out."""
         self._lines.extend(batch)
+        return self._signals[since:]
 
     def pull(self) -> list[tuple[int, str, str]]:
         out, self._lines = self._lines, []
@@ -103,8 +104,6 @@ class _Relay:
     def signal(self, sig: int) -> None:
         self._signals.append(sig)
 
-    def signals(self, since: int) -> list[int]:
-        return self._signals[since:]
 
 
 class _RankWorker:
