@@ -10,6 +10,7 @@ starts a single-node cluster instead and these tests are skipped, with one loud 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -23,10 +24,13 @@ from click.testing import CliRunner
 
 from helpers import (
     CLUSTER,
+    DONE_STATES,
+    VENV,
     base_env,
     cluster,
     cluster_mode,
     elastic_one_host,
+    job_state,
     read_metrics,
     render,
     sbatch,
@@ -477,3 +481,59 @@ def test_ray_sbatch_job_starts_ray_in_the_allocation_is_preempted_requeued_and_r
     m = read_metrics(tmp_path / "m.json")
     assert m["param_digest"] == re.search(r"digest=(\w+)", straight.stdout).group(1)
     assert {p["host"] for p in m["placement"]} == {"node1", "node2"}
+
+
+@pytest.mark.timeout(900)  # measured 53 s (16 cores)
+def test_ray_sweep_job_is_preempted_every_trial_checkpoints_and_the_requeued_job_resumes_the_experiment(tmp_path):
+    """hvdkit sweep run --engine ray --slurm: one job starts Ray on two nodes and runs the Tune
+    driver there, one trial per node. Both trials' ranks hold at step 90 until a signal arrives;
+    USR1 to the batch shell reaches the driver, which makes each trial checkpoint and stop, saves
+    the experiment and exits 75; the shell requeues the job, the requeued job restores the
+    experiment, and each trial resumes from the checkpoint of the signal (not its last epoch)
+    and ends on the weights of a run never preempted."""
+    pytest.importorskip("ray")
+    fixed = {"model": "mlp", "epochs": 3, "steps_per_epoch": 60, "num_samples": 8192}
+    space = tmp_path / "space.yaml"
+    space.write_text(f"metric: final_loss\nmode: min\nfixed: {fixed}\ngrid: {{lr: [0.01, 0.02]}}\n".replace("'", ""))
+    out = tmp_path / "out"
+    submit = subprocess.run([sys.executable, "-m", "hvdkit", "sweep", "run", str(space), "--engine", "ray", "--slurm",
+                             "-N", "2", "-np", "1", "--parallel", "2", "--backend", "ddp", "--venv", VENV,
+                             "--time", "10:00", "--out", str(out), "--no-wait"],
+                            env=base_env(HVDKIT_HOLD="step:90", HVDKIT_HOLD_RELEASE="signal"),
+                            capture_output=True, text=True, timeout=120)
+    assert submit.returncode == 0, submit.stderr
+    job = re.search(r"Submitted batch job (\d+)", submit.stdout).group(1)
+    script = out / "sweep-ray.sbatch"
+    lint = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True, timeout=60)
+    assert lint.returncode == 0, lint.stdout
+    assert "#SBATCH --nodes=2" in script.read_text() and "--resume" in script.read_text()
+    logs = [out / "trials" / f"trial-{t:03d}.log" for t in range(2)]
+    deadline = time.time() + 300
+    while not all(p.exists() and "holding at step 90" in p.read_text() for p in logs):
+        assert time.time() < deadline and job_state(job) not in DONE_STATES, job_state(job)
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=30)
+    assert wait_done(job, timeout=500, kick_requeued=True) == "COMPLETED"
+    text = (out / "logs" / f"hvdkit-sweep-{job}.out").read_text()
+    for line in ("[sbatch] Ray: 2 node(s) joined", "tune: got SIGUSR1", "preempted (exit 75)",
+                 "[sbatch] preempted: the trials checkpointed; requeueing", "restart 1"):
+        assert line in text, text[-3000:]
+    assert "Traceback" not in text
+    rows = json.loads((out / "results.json").read_text())
+    assert [(r["status"], r["epochs"]) for r in rows] == [("completed", 3)] * 2, rows
+    hosts = set()
+    for path in logs:
+        log = path.read_text()
+        hosts |= set(re.findall(r"ranks 0@(node\d)", log))
+        stop = int(re.search(r"preempted at step (\d+) by SIGUSR1; checkpoint saved", log).group(1))
+        assert f"its own newer checkpoint ckpt-{stop:09d}.h5" in log, log[-2000:]
+        assert re.search(rf"resumed from \S+ckpt-{stop:09d}\.h5 \(step {stop}\)", log), log[-2000:]
+    assert hosts == {"node1", "node2"}
+    # a trial's ranks run in a Ray worker of one CPU: one OpenMP thread, as here
+    straight = subprocess.run([sys.executable, "-m", "hvdkit", "run", "-np", "1", "--backend", "ddp", "--",
+                               "--model", "mlp", "--epochs", "3", "--steps-per-epoch", "60", "--num-samples", "8192",
+                               "--lr", "0.02"], env=base_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                              timeout=300)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    resumed = json.loads((out / "results" / "ray-1.json").read_text())
+    assert resumed["param_digest"] == re.search(r"digest=(\w+)", straight.stdout).group(1)

@@ -145,7 +145,13 @@ def test_ray_refusals_are_one_line_before_anything_runs(head, tmp_path):
         (["sweep", "run", str(shared), "--engine", "ray", "--out", str(tmp_path / "o2")],
          "checkpoint_dir in fixed: would be shared by every trial"),
         (["sweep", "run", str(plain), "--engine", "ray", "-np", "8", "--ray-address",
-          head, "--out", str(tmp_path / "o3")], "a trial needs 8.01 CPU (cluster has 5)"),
+          head, "--out", str(tmp_path / "o3")], "a trial needs 8 CPU (cluster has 5)"),
+        (["sweep", "run", str(plain), "--engine", "ray", "--slurm", "--ray-address", head,
+          "--out", str(tmp_path / "o4")], "--slurm starts Ray inside the job"),
+        (["sweep", "run", str(plain), "--engine", "ray", "--slurm", "-N", "2", "--parallel", "3",
+          "--out", str(tmp_path / "o5")], "--parallel 3 trials of -np 1 ranks do not fill --nodes 2 evenly"),
+        (["sweep", "run", str(plain), "-N", "2", "--out", str(tmp_path / "o6")],
+         "--nodes sizes the job of --engine ray --slurm"),
     ]
     for args, expected in cases:
         started = time.monotonic()

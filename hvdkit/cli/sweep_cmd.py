@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -15,6 +16,10 @@ from ..backends.traits import BACKENDS, DEFAULT_BACKEND, traits
 from ..errors import ConfigError
 from ..sweep import SCHEDULERS
 from .common import config_option, ray_options, ray_spec, translate_errors
+
+if TYPE_CHECKING:
+    from ..rayrun.cluster import RaySpec
+    from ..sweep import SweepSpec
 
 
 def _wait_for_array(job_id: str, timeout_s: float) -> None:
@@ -80,10 +85,15 @@ def sweep_status_command(directory: str) -> None:
               help="Each trial's backend (local: one plain process, -np 1, not with --slurm).")
 @click.option("-np", "--np", "np", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks per trial.")
 @click.option("--parallel", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Local trials at a time (Ray: the cluster's resources decide, -c/--gpus-per-task).")
-@click.option("--slurm", is_flag=True, help="Run the trials as a Slurm job array instead of locally.")
+              help="Local trials at a time (Ray: the cluster's resources decide, -c/--gpus-per-task; "
+                   "with --slurm the job is sized for this many).")
+@click.option("--slurm", is_flag=True, help="Run the trials as a Slurm job array instead of locally (--engine ray: "
+              "one job that starts Ray on its nodes and runs the whole experiment, requeued on preemption).")
+@click.option("-N", "--nodes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Slurm with --engine ray: nodes of the job; it holds --parallel trials of -np ranks at once.")
 @click.option("--venv", default=None, help="Slurm: virtualenv to activate on the nodes.")
-@click.option("-t", "--time", "time_limit", default="01:00:00", show_default=True, help="Slurm: per-trial limit.")
+@click.option("-t", "--time", "time_limit", default="01:00:00", show_default=True,
+              help="Slurm: per-trial limit (--engine ray: the whole job's).")
 @click.option("-p", "--partition", default=None)
 @click.option("--max-parallel", type=click.IntRange(min=1), default=None, help="Slurm: %K array throttle.")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Slurm: wait for the array, then collect.")
@@ -93,7 +103,7 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
                   backend: str, np: int, parallel: int, slurm: bool, venv: str | None,
                   time_limit: str, partition: str | None, max_parallel: int | None, wait: bool,
                   collect: bool, engine: str, resume: str | None, max_failures: int, ray_address: str | None,
-                  ray_placement: str, cpus_per_task: int, gpus_per_task: int) -> None:
+                  ray_placement: str, cpus_per_task: int, gpus_per_task: int, nodes: int) -> None:
     """Run the trials of the grid/random SPACE (YAML); print a results table and the best trial."""
     from ..launch.local import training_program
     from ..launch.slurm import SlurmJob, render_sbatch, submit
@@ -113,18 +123,28 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
             from ..rayrun.tune import check_ray_sweep
             from ..rayrun.workers import ray_backend
 
-            if slurm:
-                raise ConfigError("--engine ray with --slurm (Ray inside a Slurm job) is not built yet",
-                                  "run the Ray engine on a Ray cluster (--ray-address), or --slurm without it")
+            if slurm and (ray_address or resume):
+                raise ConfigError(f"--slurm starts Ray inside the job, and a requeued job resumes by itself: "
+                                  f"{'--ray-address' if ray_address else '--resume'} has no place there",
+                                  "drop it, or drop --slurm to use a running cluster")
             ray_backend(backend)
             check_ray_sweep(spec)
         elif spec.scheduler == "pbt" or resume:
             raise ConfigError(f"{'scheduler: pbt' if spec.scheduler == 'pbt' else '--resume'} runs on Ray Tune",
                               "add --engine ray")
+        if nodes > 1 and not (slurm and engine == "ray"):
+            raise ConfigError("--nodes sizes the job of --engine ray --slurm", "add both, or drop --nodes")
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     out_dir = Path(resume or out).resolve()
-    if engine == "ray" and not collect:
+    if engine == "ray" and slurm and not collect:
+        job_id = _submit_ray_sweep(out_dir, Path(space).resolve(), overrides, backend, np, parallel, nodes,
+                                   cpus_per_task, gpus_per_task, ray_placement, max_failures, time_limit,
+                                   partition, venv)
+        if not wait:
+            return
+        _wait_for_array(job_id, timeout_s=24 * 3600)
+    elif engine == "ray" and not collect:
         _sweep_on_ray(out_dir, spec, backend, ray_spec(np, ray_address, ray_placement, cpus_per_task, gpus_per_task),
                       bool(resume), max_failures)
     elif not collect:
@@ -171,13 +191,51 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
     click.echo(f"wrote {out_dir / 'results.md'}, results.json, results.png", err=True)
 
 
-def _sweep_on_ray(out_dir: Path, spec: object, backend: str, ray: object, resume: bool, max_failures: int) -> None:
-    """The trials as one Ray Tune experiment (hvdkit.rayrun.tune); resumed from out_dir with ``resume``."""
+def _submit_ray_sweep(out_dir: Path, space: Path, overrides: dict[str, Any], backend: str, np: int, parallel: int,
+                      nodes: int, cpus: int, gpus: int, placement: str, max_failures: int, time_limit: str,
+                      partition: str | None, venv: str | None) -> str:
+    """One Slurm job that starts Ray on its nodes and runs this sweep's Tune driver in it
+    (slurm/ray.sbatch); requeued on preemption, it continues the experiment. Returns the job id."""
+    from ..launch.slurm import RAY_ENGINE, SlurmJob, render_sbatch, submit
+    from ..rayrun.cluster import require_ray
+
+    if parallel * np % nodes:
+        raise click.UsageError(f"--parallel {parallel} trials of -np {np} ranks do not fill --nodes {nodes} evenly. "
+                               f"HINT: make --parallel x -np a multiple of --nodes")
+    python = "python" if venv else sys.executable
+    driver = [python, "-m", "hvdkit", "sweep", "run", str(space), "--engine", "ray", "--out", str(out_dir),
+              "--backend", backend, "-np", str(np), "-c", str(cpus), "--gpus-per-task", str(gpus),
+              "--ray-placement", placement, "--max-failures", str(max_failures)]
+    for key, value in overrides.items():
+        driver += [f"--{key}", str(value)]
+    try:
+        require_ray()
+        job = SlurmJob(program=tuple(driver), backend=backend, job_name="hvdkit-sweep", nodes=nodes,
+                       tasks_per_node=parallel * np // nodes, cpus_per_task=cpus,
+                       gpus_per_node=gpus * parallel * np // nodes, time=time_limit, partition=partition,
+                       venv=venv, output=str(out_dir / "logs" / "%x-%j.out"), launcher=RAY_ENGINE,
+                       requeue=True, ray_sweep_dir=str(out_dir))
+        text = render_sbatch(job)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    script = out_dir / "sweep-ray.sbatch"
+    script.write_text(text)
+    job_id = submit(text, cwd=out_dir)
+    click.echo(f"Submitted batch job {job_id} (Ray on {nodes} node(s), {parallel} trial(s) of {np} rank(s) at once; "
+               f"log {out_dir / 'logs'})")
+    return job_id
+
+
+def _sweep_on_ray(out_dir: Path, spec: SweepSpec, backend: str, ray: RaySpec, resume: bool,
+                  max_failures: int) -> None:
+    """The trials as one Ray Tune experiment (hvdkit.rayrun.tune); resumed from out_dir with ``resume``.
+    Preempted (USR1): exits 75 once every running trial has checkpointed and the experiment is saved."""
+    from ..preemption import EXIT_PREEMPTED
     from ..rayrun.cluster import connect
-    from ..rayrun.tune import DRIVER_CPU, run_tune
+    from ..rayrun.tune import run_tune
     from ..sweep import SweepSpec, expand_trials, write_trials
 
-    assert isinstance(spec, SweepSpec)
     if resume:
         saved = json.loads((out_dir / "spec.json").read_text()) if (out_dir / "spec.json").exists() else None
         if saved is None or not (out_dir / "tune").is_dir():
@@ -190,11 +248,15 @@ def _sweep_on_ray(out_dir: Path, spec: object, backend: str, ray: object, resume
         click.echo(f"{len(trials)} trials written to {out_dir / 'trials'}", err=True)
     started = time.monotonic()
     try:
-        with connect(ray, extra_cpus=DRIVER_CPU):  # type: ignore[arg-type]
-            summary = run_tune(out_dir, spec, trials, backend, ray, resume=resume,  # type: ignore[arg-type]
-                               max_failures=max_failures)
+        with connect(ray):
+            summary = run_tune(out_dir, spec, trials, backend, ray, resume=resume, max_failures=max_failures)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+    if summary["preempted"]:
+        click.echo(f"preempted (exit {EXIT_PREEMPTED}): the running trials checkpointed and the experiment is saved "
+                   f"in {out_dir / 'tune'}; continue it with: hvdkit sweep run SPACE --engine ray --resume {out_dir}",
+                   err=True)
+        sys.exit(EXIT_PREEMPTED)
     summary["wall_s"] = round(time.monotonic() - started, 1)
     (out_dir / "tune-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     for e in summary["exploits"]:

@@ -140,6 +140,7 @@ class SlurmJob:
     elastic_min_nodes: int | None = None  # Horovod Elastic over the allocation, down to this many nodes
     blacklist_cooldown: tuple[int, int] = (60, 300)  # elastic: s before a failed node may rejoin
     elastic_timeout: int = DEFAULT_ELASTIC_TIMEOUT  # elastic: s horovodrun waits for the fewest nodes
+    ray_sweep_dir: str | None = None  # --engine ray: program is the Tune driver of the sweep in this --out
 
     def __post_init__(self) -> None:
         if not self.program:
@@ -170,6 +171,8 @@ class SlurmJob:
             raise ConfigError(f"--mem {self.mem!r} is not a Slurm memory size", "use e.g. 16G or 4000M")
         if self.launcher not in (*SLURM_LAUNCHERS, RAY_ENGINE):
             raise ConfigError(f"--launcher {self.launcher!r} is not known", f"use {', '.join(SLURM_LAUNCHERS)}")
+        if self.ray_sweep_dir is not None and self.launcher != RAY_ENGINE:
+            raise ConfigError("a Ray sweep's job needs Ray in the allocation", "use the ray engine")
         if self.launcher == RAY_ENGINE:
             for flag, on in (("--elastic", self.elastic_min_nodes is not None), ("--array", bool(self.array)),
                              ("--gpus-per-task", self.gpus_per_task is not None)):
@@ -278,7 +281,15 @@ def _context(job: SlurmJob, template: str) -> dict[str, Any]:
         "iface": iface, "node_ip": Raw(f'ip -4 -o addr show dev {iface} | awk "{{print \\$4}}" | cut -d/ -f1'
                                        if iface else 'getent ahostsv4 "$(hostname)" | awk "NR==1{print \\$1}"'),
         "join_timeout": RAY_JOIN_TIMEOUT_S,
+        "sweep_state": _tune_state_pattern(job.ray_sweep_dir) if job.ray_sweep_dir else None,
     }
+
+
+def _tune_state_pattern(sweep_dir: str) -> str:
+    """The glob that matches once the sweep's Tune experiment has a saved state."""
+    from ..rayrun.tune import EXPERIMENT, STATE_GLOB, TUNE_DIR  # light: no Ray imported
+
+    return f"{sweep_dir.rstrip('/')}/{TUNE_DIR}/{EXPERIMENT}/{STATE_GLOB}"
 
 
 def render_sbatch(job: SlurmJob, templates: Path | None = None) -> str:

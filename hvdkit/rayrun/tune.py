@@ -12,6 +12,12 @@ bundle per rank), starts the ranks as ``hvdkit run --launcher ray`` does, and re
 ``Checkpoint``. A restarted or exploiting trial copies the checkpoint it was given into a
 fresh checkpoint directory, and ``hvdkit train`` resumes from it exactly as after a requeue.
 Checkpoint and metrics paths are on the file system every node shares (as for Slurm jobs).
+
+Preemption (hvdkit's contract, as for one run): SIGUSR1 to the driver makes every running
+trial's ranks checkpoint and stop; once they all have, Tune saves the experiment's state and
+the driver exits 75. The requeued job (or ``--resume DIR``) restores the experiment, and each
+preempted trial resumes from the checkpoint its ranks wrote at the signal, not from its last
+epoch. Tune alone would stop at once and kill the trials' ranks mid-step.
 """
 
 from __future__ import annotations
@@ -19,20 +25,30 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
 from ..observe import EPOCH_EVENTS_VAR, EPOCH_TAG
+from ..preemption import EXIT_PREEMPTED
 from ..sweep import SweepSpec, trial_args
 from .cluster import RaySpec, check_fits, worker_env
 
-__all__ = ["run_tune", "check_ray_sweep", "TUNE_DIR", "EXPERIMENT", "DRIVER_CPU"]
+__all__ = ["run_tune", "check_ray_sweep", "TUNE_DIR", "EXPERIMENT", "STATE_GLOB", "PREEMPT_GRACE_S"]
 
 TUNE_DIR = "tune"          # under the sweep's --out: Tune's storage
 EXPERIMENT = "experiment"  # its one experiment's name (Tuner.restore reads DIR/tune/experiment)
-DRIVER_CPU = 0.01         # the trial's own share: it only relays lines
+STATE_GLOB = "experiment_state-*.json"  # what Tune writes there once the experiment has a state
+# The trial itself only relays lines: it holds no resources (Tune's empty head bundle), so a
+# cluster of exactly K x np rank slots runs K trials at once.
+TRIAL_BUNDLE: dict[str, float] = {}
+PREEMPT_FLAG = "preempting"      # under --out: the driver got USR1; trials checkpoint and stop
+PREEMPTED_DIR = "preempted"      # under --out/trials: one file per trial whose ranks have stopped
+PREEMPTED_MARK = "preempted"     # in an attempt's checkpoint dir: its ranks checkpointed at the signal
+PREEMPT_GRACE_S = 60.0           # the most the driver waits for them (Slurm's --signal gives 90 s)
 
 
 def check_ray_sweep(spec: SweepSpec) -> None:
@@ -101,10 +117,20 @@ def _trainable(config: dict[str, Any], *, out: str, spec: SweepSpec, trials: lis
         if earlier:
             origin = {"trial": index, "epoch": f"{earlier[-1].stem} (from disk)"}
     exploited = origin.get("trial") if origin.get("trial") not in (None, index) else None
+    if attempt and exploited is None and (home / f"attempt-{attempt - 1}" / PREEMPTED_MARK).exists():
+        # the last attempt was preempted: its ranks checkpointed at the signal, after the epoch
+        # Tune knows of; hvdkit train resumes from the newest file in the directory
+        for h5 in sorted((home / f"attempt-{attempt - 1}").glob("ckpt-*.h5"))[-2:]:
+            shutil.copy2(h5, ck / h5.name)
+            origin["preempted"] = h5.name
     results = Path(out) / "results"
     results.mkdir(parents=True, exist_ok=True)
+    # --no-requeue: under Slurm the ranks inherit SLURM_JOB_ID, but the job is the experiment's,
+    # which the driver's batch shell requeues once every trial has checkpointed
     args = [*trial_args({**spec.fixed, **params}), "--checkpoint-dir", str(ck),
-            "--metrics-file", str(results / f"ray-{index}.json")]
+            "--metrics-file", str(results / f"ray-{index}.json"), "--no-requeue"]
+    flag = Path(out) / PREEMPT_FLAG
+    stopped = Path(out) / "trials" / PREEMPTED_DIR / tune.get_context().get_trial_id()
 
     def on_epoch(event: dict[str, Any]) -> None:
         metrics = {k: v for k, v in event.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -126,8 +152,30 @@ def _trainable(config: dict[str, Any], *, out: str, spec: SweepSpec, trials: lis
     if origin:
         console.file.write(f"[hvdkit] tune: restored from trial {origin.get('trial', index)}'s checkpoint of epoch "
                            f"{origin.get('epoch', '?')} with {params}\n")
+    if "preempted" in origin:
+        console.file.write(f"[hvdkit] tune: attempt {attempt - 1} was preempted: its own newer checkpoint "
+                           f"{origin['preempted']} comes too\n")
     program = [PYTHON, "-m", "hvdkit", "train", "--backend", backend, *args]
-    code = run_job(ray_spec, backend, program, {**env, EPOCH_EVENTS_VAR: "1"}, console)
+    told: list[int] = []
+
+    def preempt() -> list[int]:  # once, when the driver asks: the ranks checkpoint and exit 75
+        if told or not flag.exists():
+            return []
+        told.append(signal.SIGUSR1)
+        return [signal.SIGUSR1]
+
+    code = 0 if flag.exists() else run_job(ray_spec, backend, program, {**env, EPOCH_EVENTS_VAR: "1"}, console,
+                                           poll=preempt)
+    if flag.exists():
+        if code == EXIT_PREEMPTED:
+            (ck / PREEMPTED_MARK).touch()
+        console.file.write(f"[hvdkit] tune: preempted (ranks exited {code}); the experiment resumes this trial\n")
+        console.file.close()
+        stopped.parent.mkdir(parents=True, exist_ok=True)
+        stopped.touch()
+        # neither finished nor failed: Tune saves the experiment with this trial running, and
+        # ends this actor when it stops; a restore then resumes the trial
+        threading.Event().wait()
     console.file.close()
     if code != 0:
         raise RuntimeError(f"trial {index}'s ranks exited with {code}; see {console.file.name}")
@@ -169,8 +217,15 @@ def run_tune(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend: 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"ray\.tune")
     from ray import tune
 
-    bundles = [{"CPU": DRIVER_CPU}] + [ray_spec.bundle] * ray_spec.np
-    check_fits(ray_spec, "a trial", extra_cpus=DRIVER_CPU)
+    bundles = [TRIAL_BUNDLE] + [ray_spec.bundle] * ray_spec.np
+    check_fits(ray_spec, "a trial")
+    flag = out / PREEMPT_FLAG
+    flag.unlink(missing_ok=True)  # a requeued job's: the trials run again
+    shutil.rmtree(out / "trials" / PREEMPTED_DIR, ignore_errors=True)
+    if threading.current_thread() is threading.main_thread():
+        # until Tune runs (the callback then takes USR1 over), a preemption is only noted
+        signal.signal(signal.SIGUSR1, lambda _s, _f: flag.touch())
+    from .preempt import TunePreemption
     trainable = tune.with_resources(
         # the ranks' environment from this shell: a trainable runs in a Ray worker, whose own is the raylet's
         functools.partial(_trainable, out=str(out), spec=spec, trials=trials, backend=backend, ray_spec=ray_spec,
@@ -192,6 +247,7 @@ def run_tune(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend: 
             # forever for a trial the snapshot never held (seen: --parallel 1, 3 trials)
             tune_config=tune.TuneConfig(scheduler=_scheduler(spec), num_samples=1, reuse_actors=False),
             run_config=tune.RunConfig(name=EXPERIMENT, storage_path=storage, verbose=0,
+                                      callbacks=[TunePreemption(out)],  # restored with the experiment
                                       # ended at its last epoch, not paused there for PBT to resume
                                       stop={"epochs": int(spec.fixed.get("epochs", 1))},
                                       failure_config=tune.FailureConfig(max_failures=max_failures),
@@ -199,7 +255,9 @@ def run_tune(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend: 
                                       checkpoint_config=tune.CheckpointConfig(
                                           num_to_keep=None if spec.scheduler == "pbt" else 2)))
     grid = tuner.fit()
-    summary: dict[str, Any] = {"trials": len(trials), "errors": 0, "exploits": []}
+    summary: dict[str, Any] = {"trials": len(trials), "errors": 0, "exploits": [], "preempted": flag.exists()}
+    if summary["preempted"]:
+        return summary  # the trials resume with the experiment; their results are not final
     for result in list(grid):  # type: ignore[call-overload]
         frame = result.metrics_dataframe
         rows = frame.to_dict("records") if frame is not None else []

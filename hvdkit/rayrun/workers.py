@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..backends.traits import traits
@@ -213,12 +213,13 @@ def _group(backend: str, spec: RaySpec, env: Mapping[str, str]) -> Any:
 
 
 def run_job(spec: RaySpec, backend: str, program: Sequence[str], env: Mapping[str, str], console: Any,
-            grace_s: float = 20.0) -> int:
+            grace_s: float = 20.0, poll: Callable[[], list[int]] | None = None) -> int:
     """Run ``program`` on ``spec.np`` ranks of the connected cluster; lines go to ``console``
     (a :class:`hvdkit.launch.output.ConsoleLog`). Signals this process gets (TERM, USR1, USR2,
-    INT) reach every rank. When a rank fails, the others have ``grace_s`` to end on their own
-    (hvdkit's ranks notice a lost peer), then their workers are killed. Returns the exit code:
-    the first rank's that failed, else 0."""
+    INT) reach every rank, and so do those ``poll`` returns (asked every 0.2 s: a Tune trial,
+    which runs outside the main thread, learns of a preemption that way). When a rank fails,
+    the others have ``grace_s`` to end on their own (hvdkit's ranks notice a lost peer), then
+    their workers are killed. Returns the exit code: the first rank's that failed, else 0."""
     import ray
 
     relay: Any = ray.remote(_Relay).options(**_outside_placement_group()).remote()
@@ -242,6 +243,7 @@ def run_job(spec: RaySpec, backend: str, program: Sequence[str], env: Mapping[st
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
             drain()
+            caught.extend(poll() if poll is not None else ())
             while caught:
                 relay.signal.remote(caught.pop(0))
             for ref in done:
