@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 
 __all__ = ["HOLD_VAR", "RELEASE_VAR", "hold_point"]
 
@@ -40,13 +41,42 @@ def hold_point(name: str, at: int | None = None) -> None:
     number = _reached[name] if at is None else at
     if nth and number != int(nth):
         return
-    sys.stderr.write(f"[hvdkit] holding at {name} {number} (pid {os.getpid()})\n")
-    sys.stderr.flush()
     release = os.environ.get(RELEASE_VAR)
     if release == "signal":
-        import signal
-
-        signal.pause()  # returns once a handler ran
+        _hold_until_a_handler_ran(f"[hvdkit] holding at {name} {number} (pid {os.getpid()})\n")
         return
+    sys.stderr.write(f"[hvdkit] holding at {name} {number} (pid {os.getpid()})\n")
+    sys.stderr.flush()
     while not (release and os.path.exists(release)):
         time.sleep(0.02)
+
+
+def _hold_until_a_handler_ran(line: str) -> None:
+    """Print ``line``, then wait until one of this process's signal handlers has run.
+
+    The handlers are wrapped *before* the line is printed (a test sends its signal once it sees
+    the line), so a signal that lands before the wait begins is not lost: ``signal.pause()``
+    alone would then wait forever. The wrappers are removed again afterwards."""
+    import signal
+
+    ran: list[int] = []
+    wrapped = {}
+    for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+        original = signal.getsignal(sig)
+        if not callable(original):
+            continue  # no Python handler: that signal's default action applies, as before
+
+        def wrapper(signum: int, frame: object, original: Callable[..., object] = original) -> None:
+            ran.append(signum)
+            original(signum, frame)
+
+        wrapped[sig] = original
+        signal.signal(sig, wrapper)
+    try:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        while not ran:
+            time.sleep(0.02)
+    finally:
+        for sig, original in wrapped.items():
+            signal.signal(sig, original)

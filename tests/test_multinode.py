@@ -483,7 +483,7 @@ def test_ray_sbatch_job_starts_ray_in_the_allocation_is_preempted_requeued_and_r
     assert {p["host"] for p in m["placement"]} == {"node1", "node2"}
 
 
-@pytest.mark.timeout(900)  # measured 53 s (16 cores)
+@pytest.mark.timeout(900)  # measured 53 s on 2 cores
 def test_ray_sweep_job_is_preempted_every_trial_checkpoints_and_the_requeued_job_resumes_the_experiment(tmp_path):
     """hvdkit sweep run --engine ray --slurm: one job starts Ray on two nodes and runs the Tune
     driver there, one trial per node. Both trials' ranks hold at step 90 until a signal arrives;
