@@ -32,8 +32,8 @@ print("released", got, signal.getsignal(signal.SIGUSR1).__name__)
 
 @pytest.mark.timeout(120)  # measured 1 s
 def test_a_signal_that_arrives_with_the_holding_line_releases_the_hold():
-    proc = subprocess.run([sys.executable, "-c", RACE], env=base_env(HVDKIT_HOLD="step:3", HVDKIT_HOLD_RELEASE="signal"),
-                          capture_output=True, text=True, timeout=30)
+    env = base_env(HVDKIT_HOLD="step:3", HVDKIT_HOLD_RELEASE="signal")
+    proc = subprocess.run([sys.executable, "-c", RACE], env=env, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert "[hvdkit] holding at step 3" in proc.stderr
     # the handler ran once, and it is the program's own again afterwards (the wrapper is gone)
