@@ -24,7 +24,7 @@ _EXPORTS = {
     "Progress": "progress",
     "Stateful": "state",
     "Task": "tasks", "make_task": "tasks",
-    "TrainResult": "train", "param_digest": "train", "train": "train",
+    "TrainResult": "loop", "param_digest": "loop", "train": "loop",
 }
 
 

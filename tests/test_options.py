@@ -7,7 +7,7 @@ import re
 import pytest
 
 from helpers import HVDKIT, launch_metrics
-from hvdkit.train import warmup_factor
+from hvdkit.loop import warmup_factor
 
 
 def test_warmup_ramps_from_unscaled_to_scaled_lr():

@@ -47,3 +47,12 @@ def test_wheel_installs_in_a_clean_venv_and_renders_a_script(tmp_path):
     where = subprocess.run([str(env_dir / "bin" / "hvdkit"), "slurm", "--print-template-dir"], capture_output=True,
                            text=True, timeout=60, cwd=tmp_path, env=clean_env).stdout.strip()
     assert where.startswith(str(env_dir)) and where.endswith("hvdkit/templates")
+
+
+def test_hvdkit_train_stays_the_function_after_the_loop_module_is_imported():
+    """``hvdkit.train`` is the function; a submodule of the same name replaced it on import
+    (``hvdkit.param_digest`` first, as examples/custom_loop.py does, then ``hvdkit.train(cfg)``)."""
+    code = ("import hvdkit, importlib; hvdkit.param_digest; importlib.import_module('hvdkit.loop'); "
+            "print(callable(hvdkit.train), hvdkit.train.__module__)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["True", "hvdkit.loop"], proc.stderr

@@ -149,7 +149,7 @@ def test_a_step_is_checkpointed_once_when_an_epoch_ends_on_checkpoint_every(tmp_
     """6 steps per epoch, --checkpoint-every 3: steps 3, 6, 9, 12 are each written once."""
     import hvdkit.checkpoint.manager as ckmod
     from hvdkit.cli.train_cmd import build_train_config, train_command
-    from hvdkit.train import train
+    from hvdkit.loop import train
 
     written: list[str] = []
     real = ckmod.write_checkpoint

@@ -248,7 +248,7 @@ def train_command(**options: Any) -> None:
     """Train a model; run it under horovodrun, mpirun or srun for N ranks."""
     cfg = usage_checked(options)
     try:
-        from ..train import train
+        from ..loop import train
 
         result = train(cfg)
     except HvdkitError:
