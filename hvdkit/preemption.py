@@ -198,9 +198,9 @@ class Preemption:
             self.on_stop(step)
         requeue = backend.any_true(self.guard.should_requeue) and self.requeue
         received = int(backend.allreduce_metric(self.guard.received or 0, op="max"))
-        outcome = requeue_slurm_job() if requeue and backend.is_master else \
-            ("requeue asked by rank 0" if requeue else "not requeued")
-        requeued = bool(backend.broadcast_object(outcome.startswith("requeued") if backend.is_master else None, 0))
+        done, outcome = requeue_slurm_job() if requeue and backend.is_master else \
+            (False, "requeue asked by rank 0" if requeue else "not requeued")
+        requeued = bool(backend.broadcast_object(done if backend.is_master else None, 0))
         name = signal.Signals(received).name if received else "signal"
         if backend.is_master:
             self.log(f"preempted at step {step} by {name}; "
@@ -208,8 +208,8 @@ class Preemption:
         raise Preempted(step, name, requeued, outcome, saved)
 
 
-def requeue_slurm_job(environ: dict[str, str] | None = None) -> str:
-    """Ask Slurm to requeue this job; returns a one-line outcome for the log.
+def requeue_slurm_job(environ: dict[str, str] | None = None) -> tuple[bool, str]:
+    """Ask Slurm to requeue this job; returns whether it was requeued, and one line for the log.
 
     Uses ``SLURM_ARRAY_JOB_ID_SLURM_ARRAY_TASK_ID`` for array tasks. Never raises:
     a job that cannot be requeued still has its checkpoint.
@@ -217,7 +217,7 @@ def requeue_slurm_job(environ: dict[str, str] | None = None) -> str:
     env = dict(os.environ if environ is None else environ)
     job = env.get("SLURM_JOB_ID")
     if not job:
-        return "not running under Slurm: not requeued"
+        return False, "not running under Slurm: not requeued"
     if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
         job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
     try:
@@ -225,9 +225,9 @@ def requeue_slurm_job(environ: dict[str, str] | None = None) -> str:
             ["scontrol", "requeue", job], capture_output=True, text=True, timeout=60, check=False
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"scontrol requeue {job} failed ({exc}); resubmit the job by hand"
+        return False, f"scontrol requeue {job} failed ({exc}); resubmit the job by hand"
     if proc.returncode != 0:
         detail = (proc.stderr or proc.stdout).strip().splitlines()
-        return f"scontrol requeue {job} failed: {detail[0] if detail else proc.returncode}"
+        return False, f"scontrol requeue {job} failed: {detail[0] if detail else proc.returncode}"
     diag(f"requeued Slurm job {job}")
-    return f"requeued Slurm job {job}"
+    return True, f"requeued Slurm job {job}"

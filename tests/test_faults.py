@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -38,3 +39,21 @@ def test_a_signal_that_arrives_with_the_holding_line_releases_the_hold():
     assert "[hvdkit] holding at step 3" in proc.stderr
     # the handler ran once, and it is the program's own again afterwards (the wrapper is gone)
     assert proc.stdout.strip() == "released [10] <lambda>", proc.stdout
+
+
+@pytest.mark.parametrize("script, expected", [
+    ("echo 'requeued? no: Invalid job id specified' >&2; exit 1", (False, "failed: requeued? no: Invalid job id")),
+    ("echo requeue refused; exit 0", (True, "requeued Slurm job 7_3")),
+])
+def test_requeue_success_is_scontrols_exit_status_not_the_words_of_a_message(tmp_path, monkeypatch, script, expected):
+    """What decides 'requeued' (exit 0 instead of 75) is scontrol's exit status; the outcome is
+    only the log line (a message that happens to start with 'requeued' meant success before)."""
+    from hvdkit.preemption import requeue_slurm_job
+
+    fake = tmp_path / "scontrol"
+    fake.write_text(f"#!/bin/sh\n{script}\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    done, outcome = requeue_slurm_job({"SLURM_JOB_ID": "9", "SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3"})
+    assert (done, expected[1] in outcome) == (expected[0], True), outcome
+    assert requeue_slurm_job({}) == (False, "not running under Slurm: not requeued")
