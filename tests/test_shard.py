@@ -250,3 +250,15 @@ def test_fsdp_run_stopped_and_resumed_equals_the_straight_run(tmp_path):
     resumed = _run(tmp_path, "resumed", "ddp", 2, "full", "--epochs", "2", "--checkpoint-dir", ck)
     assert resumed["start_step"] == 5 and resumed["global_step"] == straight["global_step"]
     assert resumed["param_digest"] == straight["param_digest"] and resumed["final_loss"] == straight["final_loss"]
+
+
+def test_a_sharded_model_refuses_a_root_other_than_rank_0_instead_of_using_rank_0():
+    """torch scatters a sharded model's state from rank 0 only: a caller's root 1 was ignored
+    (rank 0's state went out); now it is refused before any collective."""
+    from hvdkit.backends import fsdp
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="from rank 0 only .* not from rank 1"):
+        fsdp.scatter_model_state(model, rank=1, root=1)
+    with pytest.raises(ValueError, match="not from rank 1"):
+        fsdp.scatter_optimizer_state(model, torch.optim.SGD(model.parameters(), lr=0.1), rank=0, root=1)

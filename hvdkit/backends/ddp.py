@@ -213,7 +213,7 @@ class DDPBackend(Backend):
     def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int = 0) -> None:
         model = fsdp.model_of(optimizer)
         if model is not None:
-            fsdp.scatter_optimizer_state(model, optimizer, self.rank == root)
+            fsdp.scatter_optimizer_state(model, optimizer, self.rank, root)
         else:
             super().broadcast_optimizer(optimizer, root)
 
@@ -239,7 +239,7 @@ class DDPBackend(Backend):
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, root: int = 0
     ) -> None:
         if fsdp.is_sharded(model):
-            fsdp.scatter_model_state(model, self.rank == root)
+            fsdp.scatter_model_state(model, self.rank, root)
             if optimizer is not None:
                 self.broadcast_optimizer(optimizer, root)
             return

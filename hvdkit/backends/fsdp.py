@@ -132,11 +132,20 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
             "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]}
 
 
-def scatter_model_state(model: nn.Module, is_root: bool) -> None:
+def _only_rank0(root: int) -> None:
+    """torch scatters a sharded model's state from rank 0 only (``broadcast_from_rank0``)."""
+    if root != 0:
+        raise ValueError(f"a sharded model's state is scattered from rank 0 only (torch's broadcast_from_rank0), "
+                         f"not from rank {root}; HINT: load the checkpoint on rank 0")
+
+
+def scatter_model_state(model: nn.Module, rank: int, root: int = 0) -> None:
     """Collective: every rank takes its shards of the state rank 0 holds (a restore), or of
     rank 0's current weights when it holds none (a fresh start: all begin from rank 0's)."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
+    _only_rank0(root)
+    is_root = rank == root
     held = _HELD.pop(model, None) if is_root else None
     _reshard(model)
     if not _root_holds(is_root, held):
@@ -154,11 +163,13 @@ def _root_holds(is_root: bool, state: Any) -> bool:
     return bool(flag[0])
 
 
-def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, is_root: bool) -> None:
+def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, root: int = 0) -> None:
     """Collective: every rank takes its shards of the optimizer state rank 0 holds (a resume);
     nothing when it holds none (a fresh optimizer has no state to agree on)."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+    _only_rank0(root)
+    is_root = rank == root
     held = _HELD.pop(optimizer, None) if is_root else None
     if not _root_holds(is_root, held):
         return
