@@ -112,7 +112,13 @@ def train(cfg: TrainConfig, backend: Backend | None = None,
     """Run one training job; collective, so every rank must call it."""
     owns_backend = backend is None
     backend = backend or create_backend(cfg.backend)
-    configure_log(cfg.log_level, rank=lambda: backend.rank)  # rank 0 speaks; elastic ranks change
+    seen = [backend.rank]
+
+    def rank() -> int:  # rank 0 speaks; elastic ranks change, so it is asked every time
+        seen[0] = backend.rank
+        return seen[0]
+
+    configure_log(cfg.log_level, rank=rank)
     result = TrainResult(backend=backend.name, world_size=backend.size)
     try:
         return _train(cfg, backend, log, result)
@@ -132,6 +138,9 @@ def train(cfg: TrainConfig, backend: Backend | None = None,
             f"rank {backend.rank}/{backend.size} ({backend.name}) lost contact with {who}: "
             f"{backend.failure_summary(exc)}", resume) from None
     finally:
+        # the log must not ask a backend that is gone (Horovod raises once shut down): the
+        # last rank it gave stays this process's rank for whatever is logged afterwards
+        configure_log(cfg.log_level, rank=lambda: seen[0])
         if owns_backend:
             backend.shutdown()
 

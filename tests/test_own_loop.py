@@ -170,3 +170,22 @@ def test_hvdkit_plot_draws_the_curves_of_several_runs(tmp_path):
     bad = subprocess.run([*HVDKIT, "plot", str(tmp_path / "nope.json")], env=base_env(), capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 1 and bad.stderr.startswith("Error: cannot read") and len(bad.stderr.splitlines()) == 1
+
+
+LOG_AFTER_TRAIN = """
+import hvdkit
+from hvdkit.log import diag, install_console
+install_console()
+hvdkit.train(hvdkit.TrainConfig(model="mlp", epochs=1, steps_per_epoch=2, backend=hvdkit.BackendConfig(name="horovod")))
+diag("after train: the log still works")
+"""
+
+
+@pytest.mark.timeout(120)  # measured 5 s on 2 cores
+def test_hvdkits_log_works_after_train_has_shut_the_backend_down():
+    """train() left the log asking the backend for the rank; Horovod, shut down, raised
+    'Horovod has not been initialized' from the next line logged by the program."""
+    proc = subprocess.run([PY, "-c", LOG_AFTER_TRAIN], env=base_env(), capture_output=True, text=True,
+                          timeout=100)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "[hvdkit] after train: the log still works" in proc.stderr
