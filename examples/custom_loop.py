@@ -52,7 +52,12 @@ with hvdkit.create_backend(hvdkit.BackendConfig(name=args.backend, accumulation_
     with preemption:
         while sampler.epoch < args.epochs:
             loader = DataLoader(train, batch_size=batch, sampler=sampler, drop_last=True)
+            # whole optimizer steps only, as hvdkit train: micro-batches left over at the end
+            # would carry into the next epoch's first step (backend.accumulate refuses that)
+            micro_batches = len(loader) // k * k
             for i, batch_xy in enumerate(loader):
+                if i == micro_batches:
+                    break
                 x, y = (t.to(backend.device) for t in batch_xy)
                 last = (i + 1) % k == 0
                 with backend.accumulate(model, sync=last):  # communicate on the last micro-batch only

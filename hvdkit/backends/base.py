@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import BackendConfig
 from ..environments import usable_cores
-from ..errors import ConfigError
+from ..errors import ConfigError, HvdkitError
 from .zero import ShardedOptimizer
 
 __all__ = ["Backend", "ElasticLoop", "share_node_cores", "to_cpu", "clip_gradients"]
@@ -83,6 +83,7 @@ class Backend(ABC):
         # Seconds this process's training thread has waited for reduced gradients: the part of
         # communication that compute did not hide (the loop reports it per epoch as a share).
         self.comm_wait = 0.0
+        self._unsynced = 0  # micro-batches since the last sync=True (see accumulate)
 
     # -- identity ---------------------------------------------------------------
     @property
@@ -195,7 +196,29 @@ class Backend(ABC):
 
     @contextlib.contextmanager
     def accumulate(self, model: nn.Module, sync: bool) -> Iterator[None]:
-        """Context for one micro-batch's backward; ``sync=False`` skips communication."""
+        """Context for one micro-batch's backward; ``sync=False`` skips communication.
+
+        Each optimizer step is exactly ``accumulation_steps`` micro-batches, the last with
+        ``sync=True``. Anything else is refused here, in one line: a micro-batch left over at
+        an epoch's end would otherwise carry into the next step (Horovod's reducer, which
+        counts backward passes itself, then fails on an assertion; DDP silently sums it in).
+        """
+        k = self.config.accumulation_steps
+        micro = self._unsynced + 1
+        if micro > k or (sync and micro != k):
+            self._unsynced = 0
+            raise HvdkitError(
+                f"micro-batch {micro} since the last optimizer step {'syncs' if sync else 'does not sync'}, but "
+                f"BackendConfig(accumulation_steps={k}) makes every step exactly {k} micro-batches, the last "
+                f"with sync=True (a micro-batch left over at an epoch's end carries into the next step)",
+                f"run whole groups of {k} per epoch: len(loader) // {k} * {k} micro-batches, as hvdkit train does")
+        self._unsynced = 0 if sync else micro
+        with self._accumulate(model, sync):
+            yield
+
+    @contextlib.contextmanager
+    def _accumulate(self, model: nn.Module, sync: bool) -> Iterator[None]:
+        """The backend's part of :meth:`accumulate` (DDP: ``no_sync`` unless ``sync``)."""
         yield
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer,

@@ -166,7 +166,7 @@ class DDPBackend(Backend):
             yield
 
     @contextlib.contextmanager
-    def accumulate(self, model: nn.Module, sync: bool) -> Iterator[None]:
+    def _accumulate(self, model: nn.Module, sync: bool) -> Iterator[None]:
         if fsdp.is_sharded(model):  # FSDP2 reduce-scatters in backward unless told not to
             # (its exposed wait is inside backward, not separated: comm_wait stays 0 here)
             model.set_requires_gradient_sync(sync)  # type: ignore[operator]

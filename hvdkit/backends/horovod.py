@@ -182,6 +182,7 @@ class HorovodBackend(Backend):
                 loop.commit_to_memory()
 
             def restore(self) -> None:
+                backend._unsynced = 0  # the interrupted step's micro-batches are rolled back too
                 loop.roll_back()
 
             def sync(self) -> None:
