@@ -3,7 +3,7 @@
 Everything public is re-exported here explicitly.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"
 
 # Re-exports are resolved on first use (PEP 562), so that the CLI can render a job script
 # or read a checkpoint summary without importing torch (about 3 s on a busy login node).

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .backends.traits import BACKENDS, DEFAULT_BACKEND
+from .backends.traits import BACKENDS, DEFAULT_BACKEND, TRAITS
 from .errors import ConfigError
 from .factories import is_import_path, parse_import_path
 
@@ -178,15 +178,15 @@ class BackendConfig:
     def __post_init__(self) -> None:
         _choice("backend", self.name, BACKENDS)
         _choice("shard", self.shard, SHARD_MODES)
-        if self.shard == "full" and self.name != "ddp":
-            raise ConfigError(f"--shard full is not available with --backend {self.name}: Horovod has no "
-                              "parameter sharding (each layer's weights would have to be gathered in "
-                              "forward and backward)",
-                              "use --shard optimizer (ZeRO-1/2 on Horovod's reduce-scatter), or "
-                              "--backend ddp --shard full (FSDP2)")
+        own = TRAITS[self.name]
+        if self.shard == "full" and not own.full_shard:
+            full = ", ".join(f"--backend {t.name}" for t in TRAITS.values() if t.full_shard)
+            raise ConfigError(f"--shard full is not available with --backend {self.name}: it shards the parameters "
+                              f"with FSDP2, which only {full} runs (each layer's weights gathered in forward and "
+                              "backward)", f"use --shard optimizer (ZeRO-1/2, any backend), or {full} --shard full")
         if self.shard != "none":
             refuse_combinations(f"--shard {self.shard}", (
-                (self.name == "horovod" and self.horovod.op != "average", f"--hvd-op {self.horovod.op}"),
+                (own.options == "horovod" and self.horovod.op != "average", f"--hvd-op {self.horovod.op}"),
                 (self.horovod.compression != "none" or self.ddp.compression != "none", "--compression fp16")),
                 " (the sharded reduction averages plain gradients)", "drop {why} or --shard")
         if self.accumulation_steps < 1:
@@ -326,7 +326,7 @@ class TrainConfig:
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}", "e.g. 0.1")
         if self.clip_grad_norm is not None:
             _finite_positive("clip_grad_norm", self.clip_grad_norm)
-        if self.backend.name == "horovod" and self.backend.horovod.op == "adasum":
+        if TRAITS[self.backend.name].options == "horovod" and self.backend.horovod.op == "adasum":
             # Adasum reduces the update a local step made, inside step(): there is no reduced
             # gradient to unscale or clip first (Horovod refuses skip_synchronize with it)
             refuse_combinations("--hvd-op adasum", (

@@ -29,7 +29,7 @@ class Progress:
     # the mean of them otherwise), this rank's alone in loss_pending for an elastic commit.
     loss_committed: float = 0.0
     loss_sums: list[float] = field(default_factory=list)  # every rank's, at a checkpoint
-    loss_pending: float = 0.0  # this rank's own, at an elastic commit (kept in its memory only)
+    loss_pending: float = 0.0  # this rank's own, at an elastic commit (in checkpoints too, as the state is)
     history: list[dict[str, Any]] = field(default_factory=list)  # one record per finished epoch
     last_eval: dict[str, float] = field(default_factory=dict)    # the newest validation metrics
 

@@ -149,6 +149,9 @@ def test_optimizer_state_is_balanced_on_a_real_model():
 
 @pytest.mark.parametrize("args, says", [
     (["--backend", "horovod", "--shard", "full"], "--shard full is not available with --backend horovod"),
+    # no word about Horovod for the local backend (the message was Horovod's for every backend)
+    (["--backend", "local", "--shard", "full"], "--backend local: it shards the parameters with FSDP2, which "
+                                                 "only --backend ddp runs"),
     (["--backend", "ddp", "--shard", "optimizer", "--precision", "fp16"], "cannot be combined with --precision fp16"),
     (["--backend", "horovod", "--shard", "optimizer", "--hvd-op", "adasum"], "cannot be combined with --hvd-op adasum"),
     (["--backend", "ddp", "--shard", "full", "--uneven"], "cannot be combined with --uneven"),

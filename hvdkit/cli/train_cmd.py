@@ -1,8 +1,8 @@
 """``hvdkit train``: one training run in this process (start it under a launcher).
 
 Every default and choice list comes from :mod:`hvdkit.config` (the dataclass defaults and its
-constants), so the command and the library cannot drift apart; ``tests/test_cli_config.py``
-checks it.
+constants), so the command and the library cannot drift apart;
+``tests/test_config.py::test_click_defaults_and_choices_are_the_configs_own`` checks it.
 """
 
 from __future__ import annotations
