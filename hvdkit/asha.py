@@ -79,7 +79,7 @@ class Decision:
     rule: str
 
 
-def _rank_key(mode: str):  # noqa: ANN202
+def _rank_key(mode: str):
     def key(item: tuple[int, float]) -> tuple[int, float, int]:
         trial, value = item
         if value is None or not math.isfinite(value):

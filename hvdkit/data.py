@@ -124,7 +124,7 @@ class H5Dataset(Dataset):
         self._file = None
         self._pid: int | None = None
 
-    def _handle(self):  # noqa: ANN202 - h5py.File
+    def _handle(self):  # h5py.File
         if self._file is None or self._pid != os.getpid():
             import h5py
 
@@ -227,7 +227,7 @@ def check_h5_dataset(path: str | os.PathLike[str], model: str | None = None, x_k
             return (n, has_labels) if want_labels else n
     except HvdkitError:
         raise
-    except Exception as exc:  # noqa: BLE001 - a damaged file: one line, not h5py's traceback
+    except Exception as exc:  # a damaged file: one line, not h5py's traceback
         raise _bad(path, f"cannot be read ({first_line(exc, limit=None)})") from None
 
 

@@ -296,7 +296,7 @@ def resolve(value: str, args: Mapping[str, Any] | None = None, what: str = "--mo
             module = importlib.import_module(path.module or "")
     except ConfigError:
         raise
-    except Exception as exc:  # noqa: BLE001 - the user's module: any error, one line
+    except Exception as exc:  # the user's module: any error, one line
         where = path.file or path.module
         raise ConfigError(f"{what} {value}: importing {where} failed: {type(exc).__name__}: "
                           f"{first_line(exc)}", "fix the module, or check PYTHONPATH and the venv") from None
@@ -329,7 +329,7 @@ def call(factory: Callable[..., Any], value: str, args: Mapping[str, Any], what:
         return factory(*positional, **args)
     except HvdkitError:
         raise
-    except Exception as exc:  # noqa: BLE001 - the user's code failed: say where, in one line
+    except Exception as exc:  # the user's code failed: say where, in one line
         shown = ", ".join(f"{k}={v!r}" for k, v in args.items())
         raise HvdkitError(f"{what} {value}({shown}) raised {type(exc).__name__}: {first_line(exc)}",
                           "fix the factory or its arguments; run it alone in Python to see the traceback") from None

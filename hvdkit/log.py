@@ -61,7 +61,7 @@ class _Live(logging.Handler):
             stream = getattr(sys, self.stream_name)
             stream.write(self.format(record) + "\n")
             stream.flush()
-        except Exception:  # noqa: BLE001 - logging's own policy for a failing handler
+        except Exception:  # logging's own policy for a failing handler
             self.handleError(record)
 
 

@@ -439,7 +439,7 @@ def _check_data(run: _Run) -> None:
         except HvdkitError as exc:
             hint = f" HINT: {exc.hint}" if exc.hint else ""
             problems.append(f"{name} data does not fit the model: {exc.message}{hint}")
-        except Exception as exc:  # noqa: BLE001 - the model's own error: one line
+        except Exception as exc:  # the model's own error: one line
             from .errors import first_line
 
             problems.append(f"{name} data does not fit --model {run.cfg.model}: the first batch raised "

@@ -51,7 +51,7 @@ class NonFiniteWatch:
         step = min(firsts)
         return step, [rank for rank, first in enumerate(firsts) if first == step]
 
-    def handle(self, current_step: int, last_checkpoint: str | None, log) -> None:  # noqa: ANN001
+    def handle(self, current_step: int, last_checkpoint: str | None, log) -> None:
         """Collective: raise :class:`NonFiniteLoss` (stop) or warn once on rank 0 (warn)."""
         step, ranks = self.first_bad()
         where = f"at step {step} on rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}"

@@ -191,7 +191,7 @@ def run_local(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend:
             train = [*trial_command(out, spec, i, params), "--metrics-file", str(results / f"local-{i}.json")]
             argv += (["run", "-np", str(np), "--backend", backend, *train] if np > 1
                      else ["train", "--backend", backend, *train])  # one rank: no launcher needed
-            log = open(out / "trials" / f"trial-{i:03d}.log", "wb")  # noqa: SIM115 - closed below
+            log = open(out / "trials" / f"trial-{i:03d}.log", "wb")  # closed below
             running.append((i, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), time.time()))
             log.close()
         time.sleep(0.2)

@@ -37,7 +37,7 @@ def _elastic(script: Path, np: int = 2, min_np: int = 1) -> list[str]:
             "--host-discovery-script", str(script)]
 
 
-def _follow(proc, deadline_s: float, on_line=None) -> str:  # noqa: ANN001
+def _follow(proc, deadline_s: float, on_line=None) -> str:
     """All of ``proc``'s output; ``on_line(line)`` sees each line as it comes."""
     log, deadline = [], time.time() + deadline_s
     for line in proc.stdout:

@@ -179,12 +179,12 @@ def open_checked(path: Path) -> Any:
     data = _read_bytes(path)
     try:
         f = h5py.File(io.BytesIO(data), "r")
-    except Exception as exc:  # noqa: BLE001 - a damaged superblock raises many types
+    except Exception as exc:  # a damaged superblock raises many types
         raise CheckpointError(f"checkpoint {path} is truncated or not an HDF5 file ({first_line(exc)})",
                               DAMAGED_HINT) from None
     try:
         is_ours = f.attrs.get("format") == FORMAT
-    except Exception:  # noqa: BLE001
+    except Exception:
         is_ours = False
     if not is_ours:
         f.close()
@@ -229,7 +229,7 @@ def read_checkpoint(path: str | os.PathLike[str], verify: bool = True, tensors: 
             return Snapshot(states=states, rng=[rng[str(i)] for i in range(len(rng))], meta=meta)
     except CheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001 - any damage is "corrupt", never a traceback
+    except Exception as exc:  # any damage is "corrupt", never a traceback
         raise CheckpointError(f"checkpoint {path} is corrupt: {first_line(exc)}", DAMAGED_HINT) from None
 
 

@@ -182,7 +182,7 @@ class CheckpointManager:
                     self._record_best(path, step, dict(metrics or {}))
                     self._prune()
                     outcome = (True, str(path))
-            except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
+            except Exception as exc:  # every failure must reach every rank
                 outcome = self._failure(exc)
         written = self._agree(outcome)
         return Path(written) if written is not None else None
@@ -211,7 +211,7 @@ class CheckpointManager:
                     outcome = (True, {"path": str(where), "step": snap.step, "rng": snap.rng,
                                       "world_size": snap.meta.get("world_size"),
                                       "metrics": snap.metrics, "remainder": remainder})
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 outcome = self._failure(exc)
         info = self._agree(outcome)
         states_mod.broadcast(states, self.backend, root=0)

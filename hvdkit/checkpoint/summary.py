@@ -46,7 +46,7 @@ def summarize_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
                     meta.setdefault(name, loop[name])
     except CheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise CheckpointError(f"checkpoint {path} is corrupt: {first_line(exc)}", DAMAGED_HINT) from None
     ok, message = verify_checkpoint(path)
     return {"meta": meta, "tensors": tensors, "checksum_ok": ok, "checksum_message": message}

@@ -36,7 +36,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             import yaml
 
             data = yaml.safe_load(text) or {}
-    except Exception as exc:  # noqa: BLE001 - any parser error is the user's file
+    except Exception as exc:  # any parser error is the user's file
         first = first_line(exc, limit=None)
         raise click.BadParameter(f"{path} is not valid: {first}", param_hint="--config") from None
     if not isinstance(data, dict):

@@ -62,7 +62,7 @@ class FiniteFloat(click.FloatRange):
         return out
 
 
-def _opt(*decls: str, **kw: Any):  # noqa: ANN202 - click decorator
+def _opt(*decls: str, **kw: Any):  # click decorator
     """Every option of 'hvdkit train'; a float one (plain or a range) is a :class:`FiniteFloat`."""
     kw.setdefault("show_default", True)
     kind = kw.get("type")
@@ -253,7 +253,7 @@ def train_command(**options: Any) -> None:
         result = train(cfg)
     except HvdkitError:
         raise
-    except Exception as exc:  # noqa: BLE001 - a bug or bad data: traceback, then one line
+    except Exception as exc:  # a bug or bad data: traceback, then one line
         traceback.print_exc()
         where = getattr(exc, "hvdkit_rank", "this rank")
         raise click.ClickException(

@@ -18,13 +18,13 @@ import sys
 class _Torchvision(importlib.abc.MetaPathFinder):
     busy = False
 
-    def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN201
+    def find_spec(self, name, path=None, target=None):
         if name != "torchvision" or self.busy:
             return None
         self.busy = True
         try:
             try:
-                import torchvision  # noqa: F401 - the real import, once
+                import torchvision  # the real import, once
             except RuntimeError as exc:
                 if "torchvision::nms does not exist" not in str(exc):
                     raise
@@ -35,7 +35,7 @@ class _Torchvision(importlib.abc.MetaPathFinder):
                 for op in ("nms", "qnms"):
                     torch.library.define(f"torchvision::{op}",
                                          "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-                import torchvision  # noqa: F401, F811
+                import torchvision  # noqa: F401
         finally:
             self.busy = False
         return sys.modules["torchvision"].__spec__
