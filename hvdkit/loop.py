@@ -506,8 +506,8 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
     preemption.on_stop = lambda _step: run.save()
     try:
         _check_data(run)
-        run.memory = ElasticMemory(backend, run)
         if cfg.elastic:
+            run.memory = ElasticMemory(backend, run)  # commits in host memory: elastic runs only
             diag(f"elastic worker rank {backend.rank} of {backend.size} (local {backend.local_rank}) host "
                  f"{backend.slot_host()} pid {os.getpid()}", every_rank=True)
             # sync, then the loop; after a lost or added worker: roll back or keep, re-sync, re-enter

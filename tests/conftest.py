@@ -2,15 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
-from helpers import launch
-
-
-@pytest.fixture
-def launcher():
-    return launch
-
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """One loud line when the multi-node tests could not run (no namespaces on this machine)."""
