@@ -28,6 +28,7 @@ __all__ = [
     "LocalEnvironment",
     "ENVIRONMENTS",
     "detect_environment",
+    "launcher_rank",
     "expand_nodelist",
     "find_free_port",
     "check_network_interface",
@@ -314,8 +315,8 @@ class SlurmEnvironment(ClusterEnvironment):
     """Tasks started by ``srun`` (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``).
 
     Rank 0's host is the first host of ``SLURM_JOB_NODELIST`` and the port is
-    derived from the job id (``launch.vocabulary.MASTER_PORT_BASE`` + its last four digits),
-    so every task agrees without talking to the others.
+    derived from the job id (``launch.vocabulary``'s ``MASTER_PORT_BASE + job id % MASTER_PORT_SPAN``,
+    as the sbatch header computes it), so every task agrees without talking to the others.
     """
 
     name = "slurm"
@@ -344,7 +345,7 @@ class SlurmEnvironment(ClusterEnvironment):
                 "Slurm task without SLURM_JOB_NODELIST", "export MASTER_ADDR to rank 0's host"
             )
         job_id = self._env.get("SLURM_JOB_ID", "0")
-        digits = re.sub(r"\D", "", job_id)[-4:] or "0"
+        digits = re.sub(r"\D", "", job_id) or "0"
         from .launch.vocabulary import MASTER_PORT_BASE, MASTER_PORT_SPAN
 
         return expand_nodelist(nodelist)[0], MASTER_PORT_BASE + int(digits) % MASTER_PORT_SPAN
@@ -403,3 +404,18 @@ def detect_environment(
         chosen = next(cls(env) for cls in ENVIRONMENTS.values() if cls.detect(env))
     chosen.validate()
     return chosen
+
+
+def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
+    """This process's rank as its launcher set it, before any backend starts (0 alone): which
+    rank reports a refusal that every rank finds. The same detection as :func:`detect_environment`
+    (not validated: a broken environment is reported later, by the backend), and first
+    ``HOROVOD_RANK``, all that horovodrun's Gloo mode sets."""
+    env = os.environ if environ is None else environ
+    if env.get("HOROVOD_RANK", "").isdigit():
+        return int(env["HOROVOD_RANK"])
+    found = next(cls(env) for cls in ENVIRONMENTS.values() if cls.detect(env))
+    try:
+        return found.global_rank()
+    except LauncherEnvError:
+        return 0

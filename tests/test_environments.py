@@ -105,3 +105,22 @@ def test_forced_unknown_environment():
 def test_forced_environment_reads_given_mapping():
     env = detect_environment("openmpi", environ=OMPI)
     assert env.global_rank() == 1
+
+
+@pytest.mark.parametrize("env, rank", [
+    ({"HOROVOD_RANK": "3", "HOROVOD_SIZE": "4"}, 3),                                    # horovodrun (Gloo)
+    ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4"}, 2),                    # mpirun
+    ({"PMI_RANK": "1", "PMI_SIZE": "2"}, 1),                                            # srun --mpi=pmi2
+    ({"SLURM_PROCID": "5", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8"}, 5),              # srun
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}, 0),                                    # the batch shell
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "n1"}, 1),                         # torchrun
+    # torchrun's variables win over Slurm's, as in detect_environment (the old copy asked Slurm last
+    # but PMI before torchrun)
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "n1", "PMI_RANK": "0", "PMI_SIZE": "2"}, 1),
+    ({"OMPI_COMM_WORLD_RANK": "x", "OMPI_COMM_WORLD_SIZE": "4"}, 0),                    # broken: reported later
+    ({}, 0),
+])
+def test_launcher_rank_is_the_detected_environments_rank(env, rank):
+    from hvdkit.environments import launcher_rank
+
+    assert launcher_rank(env) == rank

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 import traceback
 from typing import Any
@@ -282,17 +281,11 @@ def usage_checked(options: dict[str, Any]) -> TrainConfig:
             if value and ":" in value:
                 resolve(value, args, what=what, skip=1 if what == "--optimizer" else 0)
     except ConfigError as exc:
-        if _launcher_rank() != 0:
+        from ..environments import launcher_rank
+
+        if launcher_rank() != 0:
             sys.exit(2)
         raise click.UsageError(str(exc)) from None
     return cfg
 
 
-def _launcher_rank() -> int:
-    """This process's rank as its launcher set it (before any backend starts)."""
-    for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "RANK"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    if "SLURM_STEP_ID" in os.environ and os.environ.get("SLURM_PROCID", "").isdigit():
-        return int(os.environ["SLURM_PROCID"])
-    return 0
