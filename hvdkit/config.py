@@ -27,6 +27,11 @@ __all__ = [
 # the example models of hvdkit.models, named here so that validating a config needs no torch
 MODEL_NAMES = ("cnn", "mlp", "tiny")
 TASK_NAMES = ("classification", "language-model")  # hvdkit.tasks implements them
+# what each built-in task's evaluation reports (hvdkit.tasks: Task.metrics), and what every
+# epoch record holds besides: the names --keep-best may take (val_ + a task metric)
+TASK_METRICS = {"classification": ("loss", "accuracy", "count"),
+                "language-model": ("loss", "accuracy", "count", "perplexity")}
+EPOCH_METRICS = ("loss", "samples_per_sec", "comm_wait")
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw")          # hvdkit.optim builds them
 LR_SCHEDULES = ("constant", "cosine", "step")       # after the warm-up (hvdkit.schedule)
 PRECISIONS = ("fp32", "bf16", "fp16")  # hvdkit.precision implements them
@@ -37,6 +42,15 @@ HOROVOD_REDUCERS = ("bucketed", "stock")
 NONFINITE_MODES = ("stop", "warn")  # hvdkit.nonfinite
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING")  # hvdkit.log
 PROGRESS_MODES = ("auto", "bar", "lines")  # auto: a bar on a terminal, plain lines in a batch log
+
+
+def launched_backend() -> str | None:
+    """The backend hvdkit's launcher started this process's ranks for (``HVDKIT_BACKEND``), if any."""
+    import os
+
+    from .launch.vocabulary import BACKEND_VAR
+
+    return os.environ.get(BACKEND_VAR) or None
 
 
 def parse_keep_best(spec: str | None) -> tuple[str, str] | None:
@@ -169,7 +183,7 @@ class BackendConfig:
     number of micro-batches per optimizer step under DDP's ``no_sync()``.
     """
 
-    name: str = DEFAULT_BACKEND
+    name: str = field(default_factory=lambda: launched_backend() or DEFAULT_BACKEND)
     accumulation_steps: int = 1
     shard: str = "none"  # optimizer: ZeRO-1/2 (1/N of the optimizer state); full: FSDP2 (DDP)
     horovod: HorovodOptions = field(default_factory=HorovodOptions)
@@ -288,6 +302,11 @@ class TrainConfig:
             if best[0].startswith("val_") and not self.has_validation:
                 raise ConfigError(f"--keep-best {best[0]} needs validation data",
                                   "add --val-data FILE or --val-fraction F")
+            if self.task in TASK_METRICS:  # a task of your own: checked at its first evaluation
+                known = [*EPOCH_METRICS, *(f"val_{m}" for m in TASK_METRICS[self.task] if m != "count")]
+                if best[0] not in known:
+                    raise ConfigError(f"--keep-best {best[0]} is never produced: the {self.task} task's "
+                                      f"epochs report {', '.join(known)}", "name one of them, e.g. val_loss")
         if (self.asha_dir is None) != (self.asha_trial is None):
             raise ConfigError("--asha-dir and --asha-trial go together",
                               "let 'hvdkit sweep --scheduler asha' pass both")

@@ -99,7 +99,10 @@ class TrainResult:
 
 def param_digest(model: nn.Module | dict[str, torch.Tensor]) -> str:
     """SHA-256 of all parameters and buffers (a module or its state dict), to compare ranks and
-    runs bit for bit."""
+    runs bit for bit. A wrapper's (DDP's) ``module`` is unwrapped: the same weights give the
+    same digest whatever holds them."""
+    while isinstance(model, nn.Module) and isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module  # type: ignore[assignment]
     h = hashlib.sha256()
     for name, tensor in (model if isinstance(model, dict) else model.state_dict()).items():
         h.update(name.encode())

@@ -85,13 +85,14 @@ class EvalShard(Sampler[int]):
 
 @torch.no_grad()
 def evaluate(backend: Backend, model: torch.nn.Module, dataset: Dataset, task: Task, batch_size: int,
-             precision: str = "fp32", num_workers: int = 0) -> dict[str, float]:
+             precision: str = "fp32", num_workers: int = 0, prefix: str = "") -> dict[str, float]:
     """Collective: the task's metrics over the whole ``dataset``, sharded over ranks, exactly.
 
     The model runs in eval mode (dropout off, norm layers on their running statistics) and
     unwrapped (no gradient hooks, no collective in the forward pass), so ranks with one
     sample less than others never wait on each other. Returns the task's finalized means
-    (``loss``, ``accuracy``, ``perplexity``, ...) and ``count``, the samples scored.
+    (``loss``, ``accuracy``, ``perplexity``, ...) and ``count``, the samples scored, each name
+    after ``prefix`` (``"val_"``: the names ``hvdkit train`` and ``keep_best`` use).
     """
     from .precision import autocast
 
@@ -113,4 +114,4 @@ def evaluate(backend: Backend, model: torch.nn.Module, dataset: Dataset, task: T
         plain.train(was_training)
     means = sums.compute(backend)
     count = means.pop("count")
-    return {**task.finalize(means), "count": count}
+    return {f"{prefix}{k}": v for k, v in {**task.finalize(means), "count": count}.items()}

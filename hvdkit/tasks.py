@@ -81,6 +81,7 @@ class Task:
 
     name = "task"
     higher_is_better: tuple[str, ...] = ("accuracy",)
+    metrics: tuple[str, ...] = ()  # what evaluate() reports, where known before running (else ())
 
     def __call__(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         """``{"loss": mean, "count": units, <metric>: mean, ...}`` for one batch."""
@@ -105,6 +106,7 @@ class Classification(Task):
     """Cross-entropy on logits ``(N, C)`` against integer labels ``(N,)``; top-1 accuracy."""
 
     name = "classification"
+    metrics = ("loss", "accuracy", "count")  # config.TASK_METRICS names them without torch
 
     @staticmethod
     def _split(batch: Any) -> tuple[Any, torch.Tensor]:
@@ -157,6 +159,7 @@ class LanguageModel(Task):
     """Next-token cross-entropy on logits ``(N, T, V)``; token accuracy and perplexity."""
 
     name = "language-model"
+    metrics = ("loss", "accuracy", "count", "perplexity")  # perplexity from finalize()
 
     @staticmethod
     def _split(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,9 @@ CASES = [
     ("slurm -o x.sbatch -- --model missing.py:net", 2, "file missing.py does not exist"),
     ("slurm -o x.sbatch -- --model factories.py:nope", 2, "factories.py defines no 'nope'"),
     ("slurm -o x.sbatch -- --lr nan", 2, "Invalid value for '--lr': 'nan' is not a finite number"),
+    ("slurm -o x.sbatch -- --keep-best val_f1 --checkpoint-dir ck --val-fraction 0.2", 2,
+     "--keep-best val_f1 is never produced: the classification task's epochs report loss, samples_per_sec, "
+     "comm_wait, val_loss, val_accuracy"),
     # hvdkit run: refused before any launcher starts
     ("run -np 0", 2, "'-np' / '--np'"),
     ("run --iface nosuch0 -- --epochs 1", 1, "network interface 'nosuch0'"),
@@ -63,6 +66,10 @@ CASES = [
     ("train --val-fraction 1.5", 2, "--val-fraction must be in [0, 1), got 1.5"),
     ("train --eval-every 5", 2, "--eval-every needs validation data"),
     ("train --keep-best val_loss --checkpoint-dir ck", 2, "--keep-best val_loss needs validation data"),
+    ("train --keep-best foo --checkpoint-dir ck --val-fraction 0.2", 2, "--keep-best foo is never produced"),
+    ("train --keep-best accuracy --checkpoint-dir ck --val-fraction 0.2", 2, "--keep-best accuracy is never produced"),
+    ("train --keep-best val_perplexity --checkpoint-dir ck --val-fraction 0.2", 2,
+     "--keep-best val_perplexity is never produced"),
     ("train --model-arg width", 2, "--model-arg 'width' is not KEY=VALUE"),
     ("train --model tiny --model-arg width=4", 2, "--model tiny takes no argument 'width'"),
     # your own model and data: a path that does not import, a factory that raises, an argument it

@@ -130,11 +130,12 @@ def test_the_configs_task_and_optimizer_names_are_what_tasks_and_optim_build():
     """config.py lists the names for the CLI (no torch import); tasks.py and optim.py own them."""
     import torch
 
-    from hvdkit.config import OPTIMIZER_NAMES, TASK_NAMES, TrainConfig
+    from hvdkit.config import OPTIMIZER_NAMES, TASK_METRICS, TASK_NAMES, TrainConfig
     from hvdkit.optim import make_optimizer
     from hvdkit.tasks import TASKS, make_task
 
     assert set(TASK_NAMES) == set(TASKS) and all(make_task(n).name == n for n in TASK_NAMES)
+    assert {n: TASKS[n].metrics for n in TASK_NAMES} == TASK_METRICS
     model = torch.nn.Linear(2, 2)
     built = {n: type(make_optimizer(TrainConfig(optimizer=n), model, 0.1)).__name__.lower() for n in OPTIMIZER_NAMES}
     assert built == {n: n for n in OPTIMIZER_NAMES}

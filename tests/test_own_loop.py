@@ -1,7 +1,9 @@
 """Your own loop keeps every guarantee, and training shows what people expect to see.
 
-* examples/custom_loop.py, preempted with SIGUSR1 in a real Slurm job, checkpoints, requeues and
-  resumes to the same weights as an uninterrupted run, on both backends.
+* docs/own-loop.md's program, run exactly as written and preempted with SIGUSR1 in a real Slurm
+  job, checkpoints, requeues and resumes to the same weights as an uninterrupted run, on both
+  backends (examples/custom_loop.py runs in test_examples.py); the traps of own loops (a backend
+  other than the launcher's, a keep_best metric never saved, a wrapped model's digest).
 * hvdkit as a library leaves the application's logging alone.
 * TensorBoard event files read back by tensorboard's own reader; a progress bar on a terminal
   (a pseudo-terminal here) and none in a batch log; ``hvdkit plot`` draws a PNG.
@@ -19,13 +21,11 @@ import struct
 import subprocess
 import termios
 import time
+from pathlib import Path
 
 import pytest
 
 from helpers import HVDKIT, PY, ROOT, base_env, check, launch, preempt_when_logged, read_metrics, render, sbatch
-
-LOOP = str(ROOT / "examples" / "custom_loop.py")
-KINDS = {"horovod": "hvd-gloo", "ddp": "mpirun"}
 
 
 def _done(text: str) -> tuple[int, str]:
@@ -34,19 +34,83 @@ def _done(text: str) -> tuple[int, str]:
     return int(m.group(1)), m.group(2)
 
 
+def _doc_program(tmp_path: Path) -> Path:
+    """The first python block of docs/own-loop.md, byte for byte, as own_loop.py."""
+    text = (ROOT / "docs" / "own-loop.md").read_text()
+    code = re.search(r"## The whole pattern.*?```python\n(.*?)```", text, re.S).group(1)
+    program = tmp_path / "own_loop.py"
+    program.write_text(code)
+    return program
+
+
 @pytest.mark.slurm
-@pytest.mark.timeout(420)  # measured 24 s (2 cores, loaded)
+@pytest.mark.timeout(420)  # measured 30 s (2 cores)
 @pytest.mark.parametrize("backend", ["horovod", "ddp"])
-def test_custom_loop_preempted_in_slurm_checkpoints_requeues_and_resumes_exactly(tmp_path, backend):
-    straight = check(launch(KINDS[backend], 2, [PY, LOOP, "--backend", backend, "--checkpoint-dir",
-                                                str(tmp_path / "ref")], timeout=240))
-    script = render(tmp_path, "loop", "--backend", backend, "--tasks-per-node", "2", "--",
-                    "python", LOOP, "--backend", backend, "--checkpoint-dir", str(tmp_path / "ck"))
+def test_the_own_loop_page_runs_as_written_preempted_in_slurm_requeued_and_resumed_exactly(tmp_path, backend):
+    """docs/own-loop.md's program, launched as its docstring says: straight with 'hvdkit run', and
+    in a real Slurm job ('hvdkit slurm') preempted with SIGUSR1 after its first epoch; it saves,
+    requeues, resumes and ends on the same steps and weights, bit for bit. BackendConfig() in it
+    follows the launcher's --backend; its keep_best names what evaluate(prefix=) reports."""
+    program = _doc_program(tmp_path)
+    check(subprocess.run([*HVDKIT, "data", "make-synthetic", str(tmp_path / "data.h5"), "--model", "mlp",
+                          "--num-samples", "8192"], env=base_env(), capture_output=True, text=True, timeout=120))
+    straight = check(subprocess.run([*HVDKIT, "run", "-np", "2", "--backend", backend, "--", PY, str(program),
+                                     str(tmp_path / "data.h5"), str(tmp_path / "ref")], env=base_env(),
+                                    capture_output=True, text=True, timeout=240))
+    assert (tmp_path / "ref" / "best").is_file()
+    script = render(tmp_path, "own", "--backend", backend, "--tasks-per-node", "2", "--",
+                    "python", str(program), str(tmp_path / "data.h5"), str(tmp_path / "ck"))
     job = sbatch(script, tmp_path)
-    text = preempt_when_logged(job, tmp_path / f"loop-{job}.out", "epoch 0 val_loss", timeout=180)
+    text = preempt_when_logged(job, tmp_path / f"own-{job}.out", "epoch 0 val_loss", timeout=180)
     step = int(re.search(r"preempted at step (\d+) by SIGUSR1; checkpoint saved; requeued Slurm job", text).group(1))
     assert "restart 1" in text and re.search(rf"resumed from \S+ckpt-{step:09d}\.h5 \(step {step}\)", text), text
-    assert _done(text) == _done(straight)  # the same steps and the same weights, bit for bit
+    assert _done(text) == _done(straight) == (306, _done(straight)[1])
+
+
+@pytest.mark.timeout(300)  # measured 10 s (2 cores)
+def test_a_program_that_asks_for_another_backend_than_the_launcher_is_told_in_one_line(tmp_path):
+    """'hvdkit run --backend ddp -- python own.py' with BackendConfig(name="horovod") in it trained
+    on Horovod in silence; now every rank refuses, and one line says why."""
+    own = tmp_path / "own.py"
+    own.write_text("import hvdkit\nwith hvdkit.create_backend(hvdkit.BackendConfig(name='horovod')) as b:\n"
+                   "    print('trained on', b.name)\n")
+    proc = subprocess.run([*HVDKIT, "run", "-np", "2", "--backend", "ddp", "--", PY, str(own)], env=base_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0 and "trained on" not in proc.stdout, proc.stdout
+    assert "the ranks were launched for --backend ddp (HVDKIT_BACKEND), but this program asks for " \
+           "BackendConfig(name='horovod')" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_keep_best_metric_that_is_never_saved_is_refused_at_the_first_save_with_metrics(tmp_path):
+    """keep_best="val_loss" with hvdkit.evaluate()'s own names (loss, accuracy, count) kept no best
+    checkpoint, silently; now the first save that carries metrics says which names it has."""
+    import hvdkit
+    from hvdkit.errors import ConfigError
+
+    backend = hvdkit.create_backend(hvdkit.BackendConfig(name="local"))
+    model = hvdkit.build_model("tiny")
+    ckpt = hvdkit.CheckpointManager(tmp_path, backend, keep_best="val_loss")
+    ckpt.save(1, {"model": model})  # no metrics yet (a mid-epoch save): nothing to check
+    with pytest.raises(ConfigError, match="keep_best 'val_loss' is not among the metrics saved with step 2: "
+                                          "accuracy, count, loss"):
+        ckpt.save(2, {"model": model}, {"loss": 0.5, "accuracy": 0.9, "count": 10})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000001.h5", "latest"]
+    ckpt.save(3, {"model": model}, {"val_loss": 0.5})
+    assert (tmp_path / "best").is_file()
+
+
+def test_param_digest_is_the_same_for_a_wrapped_model():
+    import torch
+
+    import hvdkit
+
+    class Wrapper(torch.nn.Module):  # what DDP does: the model under .module
+        def __init__(self, module: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+    model = hvdkit.build_model("tiny")
+    assert hvdkit.param_digest(Wrapper(model)) == hvdkit.param_digest(model)
 
 
 def test_hvdkit_as_a_library_leaves_the_applications_logging_alone(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from ..errors import ConfigError
 from .traits import traits
 
 if TYPE_CHECKING:
@@ -21,8 +22,14 @@ __all__ = ["Backend", "LocalBackend", "create_backend"]
 
 def create_backend(config: BackendConfig) -> Backend:
     """Initialise the backend ``config.name`` and return it (imports it lazily)."""
+    from ..config import launched_backend
     from ..environments import check_network_interface
 
+    launched = launched_backend()
+    if launched is not None and launched != config.name:
+        raise ConfigError(f"the ranks were launched for --backend {launched} (HVDKIT_BACKEND), but this program asks "
+                          f"for BackendConfig(name={config.name!r})",
+                          f"leave name= out to follow the launcher, or launch with --backend {config.name}")
     module, cls = traits(config.name).implementation.split(":")
     check_network_interface()  # before any library opens a socket on the wrong network
     return getattr(importlib.import_module(module), cls)(config)

@@ -156,6 +156,14 @@ class CheckpointManager:
         or with ``skip_nonfinite`` logs one warning and returns ``None``. Either way the
         older checkpoints stay (nothing is pruned).
         """
+        if self.best_metric is not None and metrics and self.best_metric[0] not in metrics:
+            # a metric that is never produced would keep no best file, silently: said at the
+            # first save that has metrics, on every rank (they pass the same), before anything
+            err = ConfigError(f"keep_best {self.best_metric[0]!r} is not among the metrics saved with step {step}: "
+                              f"{', '.join(sorted(metrics))}",
+                              "name one of them (hvdkit.evaluate(..., prefix='val_') gives val_loss, val_accuracy)")
+            err.echo = self.backend.is_master
+            raise err
         rng = self.backend.gather_objects(capture_rng())
         captured = states_mod.capture(states, self.backend)  # collective for sharded modules
         kinds = states_mod.kinds(states)

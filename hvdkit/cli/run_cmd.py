@@ -31,7 +31,7 @@ from ..launch.local import (
     training_program,
 )
 from ..launch.output import run_with_log
-from ..launch.vocabulary import CONSOLE_TTY_VAR, IFACE_VAR, check_iface_name, iface_env
+from ..launch.vocabulary import BACKEND_VAR, CONSOLE_TTY_VAR, IFACE_VAR, check_iface_name, iface_env
 from ..log import debug
 from .common import config_option, ray_options, ray_spec, translate_errors
 from .validate import check_program, check_train_args, is_program
@@ -178,7 +178,7 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
             nic = elastic_interface(discover(host_discovery_script), lo, host_discovery_script, iface)
             debug(f"elastic: horovodrun --network-interface {nic or '(found by horovodrun)'}")
         spec = LocalLaunch(np=np, launcher=chosen, controller=controller, hosts=hosts,
-                           env={CONSOLE_TTY_VAR: "1"} if tty else {},
+                           env={BACKEND_VAR: backend, **({CONSOLE_TTY_VAR: "1"} if tty else {})},
                            oversubscribe=oversubscribe, iface=iface,
                            min_np=(min_np or 1) if elastic else None, max_np=(max_np or np) if elastic else None,
                            # horovodrun runs it through a shell: a bare relative name is not found
@@ -245,7 +245,8 @@ def run_on_ray(np: int, backend: str, args: tuple[str, ...], address: str | None
     else:
         check_train_args(args, backend=backend)
         program = [PYTHON, "-m", "hvdkit", "train", "--backend", backend, *args]
-    env = worker_env({**({CONSOLE_TTY_VAR: "1"} if tty else {}), **(iface_env(iface) if iface else {})})
+    env = worker_env({BACKEND_VAR: backend, **({CONSOLE_TTY_VAR: "1"} if tty else {}),
+                      **(iface_env(iface) if iface else {})})
     console = ConsoleLog(log_dir, progress=tty)
     code = 1
     try:

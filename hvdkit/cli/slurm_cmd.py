@@ -16,7 +16,7 @@ from ..errors import ConfigError
 from ..fileio import write_text_atomic
 from ..launch.local import training_program
 from ..launch.slurm import RAY_ENGINE, SLURM_LAUNCHERS, SRUN_MPI, SlurmJob, render_sbatch, submit
-from ..launch.vocabulary import ELASTIC_LAUNCHER, iface_env
+from ..launch.vocabulary import BACKEND_VAR, ELASTIC_LAUNCHER, iface_env
 from .common import config_option, translate_errors
 from .validate import check_array_params, check_program, check_train_args, is_program
 
@@ -41,6 +41,8 @@ def build_job(o: dict[str, Any]) -> SlurmJob:
     env += sorted(hvd.environment().items())  # the one HOROVOD_* mapping (config.HorovodOptions)
     if o["iface"]:
         env += sorted(iface_env(o["iface"]).items())
+    if is_program(tuple(o["args"])):  # a program of your own: BackendConfig() follows --backend
+        env.append((BACKEND_VAR, o["backend"]))
     python = "python" if (o["venv"] or o["conda_env"]) else sys.executable
     args = tuple(o["args"])
     if (not o["requeue"] or o["launcher"] == RAY_ENGINE) and not (args and not args[0].startswith("-")):

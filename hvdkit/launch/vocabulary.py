@@ -53,12 +53,17 @@ MPI_DEFAULTS = {"OMPI_MCA_mpi_yield_when_idle": "1"}
 # hvdkit's record of --iface, checked on every rank before any communication starts.
 IFACE_VAR = "HVDKIT_IFACE"
 
+# The backend 'hvdkit run/slurm --backend' started the ranks for: BackendConfig() takes it as its
+# default, so a program of your own follows the launcher, and a program that asks for another
+# backend is told so in one line (hvdkit.backends.create_backend).
+BACKEND_VAR = "HVDKIT_BACKEND"
+
 # Variables mpirun must pass on with -x when they are set (srun and horovodrun pass the
 # whole environment). OMPI_MCA_* need no -x: mpirun forwards those itself.
 FORWARDED_VARS = (
     "PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT",
     "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE",
-    "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", IFACE_VAR,
+    "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", IFACE_VAR, BACKEND_VAR,
 )
 
 # hvdkit run sets this for the ranks when its own console is a terminal: rank 0 then sends
