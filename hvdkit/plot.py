@@ -8,13 +8,15 @@ three. Each run is labelled by its file name, backend and world size. matplotlib
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
 
 from .errors import HvdkitError
+from .fileio import write_bytes_atomic
 
-__all__ = ["load_runs", "plot_runs"]
+__all__ = ["load_runs", "plot_runs", "check_out", "FORMATS"]
 
 
 def load_runs(paths: list[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -29,13 +31,41 @@ def load_runs(paths: list[str]) -> list[tuple[str, dict[str, Any]]]:
             raise HvdkitError(f"{path} is not JSON", "pass files written by --metrics-file") from None
         if not isinstance(data, dict) or not isinstance(data.get("history"), list):
             raise HvdkitError(f"{path} holds no training history", "pass files written by hvdkit train --metrics-file")
+        if not data["history"]:
+            raise HvdkitError(f"{path} holds no finished epoch: the run ended before its first one",
+                              "plot it once an epoch has finished")
+        for n, record in enumerate(data["history"]):
+            bad = next((k for k in ("epoch", "step", "loss") if not _number(record.get(k) if isinstance(
+                record, dict) else None)), None)
+            if bad is not None:
+                raise HvdkitError(f"{path}: history record {n} has no numeric {bad!r}",
+                                  "pass files written by hvdkit train --metrics-file, unedited")
         label = f"{path.stem} ({data.get('backend', '?')}, {data.get('world_size', '?')} ranks)"
         runs.append((label, data))
     return runs
 
 
+FORMATS = (".png", ".svg", ".pdf")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_out(out: str | Path) -> Path:
+    """``out`` names a figure hvdkit can write: a known suffix, in a directory that exists."""
+    path = Path(out)
+    if path.suffix.lower() not in FORMATS:
+        raise HvdkitError(f"-o {out}: the figure's format comes from its suffix, and {path.suffix or 'none'} is "
+                          f"not one of {', '.join(FORMATS)}", f"e.g. -o {path.with_suffix('.png').name}")
+    if not path.parent.is_dir():
+        raise HvdkitError(f"-o {out}: the directory {path.parent} does not exist", "create it first")
+    return path
+
+
 def plot_runs(runs: list[tuple[str, dict[str, Any]]], out: str | Path, x: str = "epoch") -> Path:
-    """Write the figure to ``out`` (PNG, SVG or PDF by its suffix)."""
+    """Write the figure to ``out`` (PNG, SVG or PDF by its suffix), atomically."""
+    out = check_out(out)
     try:
         import matplotlib
     except ImportError:
@@ -57,7 +87,7 @@ def plot_runs(runs: list[tuple[str, dict[str, Any]]], out: str | Path, x: str = 
     for i, (label, data) in enumerate(runs):
         color = f"C{i % 10}"
         hist = data["history"]
-        xs = [r["step"] if x == "step" else r["epoch"] + 1 for r in hist]
+        xs = [r["step"] if x == "step" else r["epoch"] for r in hist]  # epochs from 0, as the log counts
         loss_ax.plot(xs, [r["loss"] for r in hist], "-o", color=color, ms=3, label=f"{label} train")
         val = [(xv, r["val_loss"]) for xv, r in zip(xs, hist) if "val_loss" in r]
         if val:
@@ -80,8 +110,10 @@ def plot_runs(runs: list[tuple[str, dict[str, Any]]], out: str | Path, x: str = 
         if ax.lines:
             ax.legend(fontsize=7)
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    figure = io.BytesIO()
+    fig.savefig(figure, dpi=110, format=out.suffix.lower()[1:])
     plt.close(fig)
-    return out
+    try:
+        return write_bytes_atomic(out, figure.getvalue())  # never a half-written figure
+    except OSError as exc:
+        raise HvdkitError(f"cannot write {out}: {exc.strerror or exc}", "choose another -o path") from None

@@ -118,6 +118,13 @@ CASES = [
     ("sweep status .", 1, "holds no sweep"),
     ("sweep badspace.yaml --slurm --backend local", 2, "runs one plain process"),
     ("bench --bogus", 2, "No such option"),
+    # hvdkit plot: nothing to draw, or nowhere to draw it; never an empty or misnamed figure
+    ("plot nohistory.json", 1, "nohistory.json holds no finished epoch"),
+    ("plot badloss.json", 1, "badloss.json: history record 0 has no numeric 'loss'"),
+    ("plot good.json -o pfile", 1, "-o pfile: the figure's format comes from its suffix, and none is not one of"),
+    ("plot good.json -o p.xyz", 1, ".xyz is not one of .png, .svg, .pdf"),
+    ("plot good.json -o /nonexistent/dir/x.png", 1, "the directory /nonexistent/dir does not exist"),
+    ("plot good.json -o /proc/x.png", 1, "cannot write /proc/x.png"),
 ]
 
 
@@ -141,6 +148,9 @@ def inputs(tmp_path_factory):
     (d / "empty-grid.yaml").write_text("grid: {lr: []}\n")
     (d / "bad-mode.yaml").write_text("mode: best\ngrid: {lr: [0.1]}\n")
     (d / "broken.yaml").write_text("grid: {lr: [0.1\n")
+    (d / "nohistory.json").write_text('{"history": []}')
+    (d / "badloss.json").write_text('{"history": [{"epoch": 0, "step": 1, "loss": "abc"}]}')
+    (d / "good.json").write_text('{"history": [{"epoch": 0, "step": 1, "loss": 1.0}]}')
     for name, text in (("two-slots.sh", "localhost:2"), ("one-slot.sh", "localhost:1"), ("garbage.sh", "node1:two")):
         (d / name).write_text(f"#!/bin/sh\necho {text}\n")
         (d / name).chmod(0o755)

@@ -16,7 +16,8 @@ from .common import translate_errors
 @translate_errors
 def plot_command(metrics: tuple[str, ...], out: str, x_axis: str) -> None:
     """Training and validation curves of one or more runs (their --metrics-file), side by side."""
-    from ..plot import load_runs, plot_runs
+    from ..plot import check_out, load_runs, plot_runs
 
+    check_out(out)  # before reading anything: a wrong -o is found first
     path = plot_runs(load_runs(list(metrics)), out, x_axis)
     click.echo(f"wrote {path}", err=True)
