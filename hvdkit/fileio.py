@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["write_bytes_atomic", "write_text_atomic", "write_json_atomic", "fsync_dir",
-           "SPACE_MARGIN"]
+           "SPACE_MARGIN", "check_output_path"]
 
 # Refuse a write that would leave less than this free: a disk filled to the byte hurts everyone.
 SPACE_MARGIN = 64 << 10
@@ -29,6 +29,19 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_output_path(path: str | os.PathLike[str], what: str) -> Path:
+    """A file the user named for hvdkit to write: its directory must exist (hvdkit does not
+    create directories for a typo to land in), and it must not be a directory itself."""
+    from .errors import ConfigError
+
+    out = Path(path)
+    if out.is_dir():
+        raise ConfigError(f"{what} {path} is a directory", "name a file in it")
+    if not out.parent.is_dir():
+        raise ConfigError(f"{what} {path}: the directory {out.parent} does not exist", "create it first")
+    return out
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, *, durable: bool = False,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import HvdkitError
-from .fileio import write_bytes_atomic
+from .fileio import check_output_path, write_bytes_atomic
 
 __all__ = ["load_runs", "plot_runs", "check_out", "FORMATS"]
 
@@ -58,9 +58,7 @@ def check_out(out: str | Path) -> Path:
     if path.suffix.lower() not in FORMATS:
         raise HvdkitError(f"-o {out}: the figure's format comes from its suffix, and {path.suffix or 'none'} is "
                           f"not one of {', '.join(FORMATS)}", f"e.g. -o {path.with_suffix('.png').name}")
-    if not path.parent.is_dir():
-        raise HvdkitError(f"-o {out}: the directory {path.parent} does not exist", "create it first")
-    return path
+    return check_output_path(path, "-o")
 
 
 def plot_runs(runs: list[tuple[str, dict[str, Any]]], out: str | Path, x: str = "epoch") -> Path:

@@ -109,6 +109,10 @@ CASES = [
     ("data check nan.h5", 1, "'x'[5] holds NaN/inf"),
     ("data make-synthetic /proc/x.h5", 1, "cannot write dataset /proc/x.h5"),
     ("data make-synthetic out.h5 --num-samples 0", 2, "--num-samples"),
+    # a file hvdkit is told to write goes into a directory that exists: none is created for a typo
+    ("data make-synthetic /nonexistent/dir/x.h5", 1, "the directory /nonexistent/dir does not exist"),
+    ("slurm -o /nonexistent/dir/x.sbatch", 2, "-o /nonexistent/dir/x.sbatch: the directory /nonexistent/dir does not"),
+    ("run --write-script /nonexistent/dir/x.sh -- --epochs 1", 2, "the directory /nonexistent/dir does not exist"),
     ("sweep", 2, "Missing argument 'SPACE'"),
     ("sweep badspace.yaml", 2, "exactly one of 'grid' or 'random'"),
     ("sweep unknown-key.yaml", 2, "unknown key(s) in unknown-key.yaml: search"),
@@ -182,6 +186,12 @@ def test_bad_input_is_one_short_error_and_writes_nothing(inputs, command, code, 
     assert 1 <= len(lines) <= 3 and "Traceback" not in proc.stderr, proc.stderr
     assert words in proc.stdout + proc.stderr
     assert sorted(p.name for p in inputs.iterdir()) == before, "a refused command wrote a file"
+
+
+def test_no_directory_is_created_for_a_mistyped_output_path():
+    import os
+
+    assert not os.path.exists("/nonexistent"), "a command created /nonexistent (or something else did)"
 
 
 def test_slurm_warns_about_a_venv_missing_here_but_still_writes_the_script(tmp_path):

@@ -154,9 +154,11 @@ def import_text_command(directory: str, block: int, max_bytes: int) -> None:
 def make_synthetic(path: str, model: str, num_samples: int, seed: int) -> None:
     """Write the synthetic dataset of MODEL to an HDF5 file (datasets x, y)."""
     from ..data import make_synthetic_h5
+    from ..fileio import check_output_path
 
+    check_output_path(path, "make-synthetic")
     out = make_synthetic_h5(path, model, num_samples, seed)
-    click.echo(f"wrote {out} ({num_samples} samples for model {model})")
+    click.echo(f"wrote {out} ({num_samples} samples for model {model}, {out.stat().st_size / 2**20:.1f} MiB)")
 
 
 @data_group.command("check")

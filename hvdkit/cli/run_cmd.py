@@ -150,6 +150,13 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
         return
     if elastic and not host_discovery_script:
         raise click.UsageError("--elastic needs --host-discovery-script (write one with --write-discovery-script)")
+    if write_script:
+        from ..fileio import check_output_path
+
+        try:
+            check_output_path(write_script, "--write-script")
+        except ConfigError as exc:
+            raise click.UsageError(str(exc)) from None
     # a terminal here: hvdkit train's ranks send their progress, and this process draws it as a bar
     tty = sys.stderr.isatty() and not is_program(args) and not (dry_run or write_script)
     ray_only = [f"--{n}" for n, on in (("ray-placement", ray_placement != "pack"),

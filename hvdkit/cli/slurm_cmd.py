@@ -160,6 +160,13 @@ def slurm_command(**o: Any) -> None:
         raise click.UsageError("--min-nodes and --blacklist-cooldown-range go with --elastic. "
                                "HINT: add --elastic, or drop them")
     args = tuple(o["args"])
+    if o["out"]:
+        from ..fileio import check_output_path
+
+        try:
+            check_output_path(o["out"], "-o")
+        except ConfigError as exc:
+            raise click.UsageError(str(exc)) from None
     # everything the nodes would trip over, checked now: nothing is written when one fails
     if is_program(args):
         check_program(args, o["venv"])
