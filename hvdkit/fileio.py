@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["write_bytes_atomic", "write_text_atomic", "write_json_atomic", "fsync_dir",
-           "SPACE_MARGIN", "check_output_path"]
+           "SPACE_MARGIN", "check_output_path", "check_writable"]
 
 # Refuse a write that would leave less than this free: a disk filled to the byte hurts everyone.
 SPACE_MARGIN = 64 << 10
@@ -42,6 +42,32 @@ def check_output_path(path: str | os.PathLike[str], what: str) -> Path:
     if not out.parent.is_dir():
         raise ConfigError(f"{what} {path}: the directory {out.parent} does not exist", "create it first")
     return out
+
+
+def check_writable(path: str | os.PathLike[str], what: str, directory: bool = False) -> None:
+    """Refuse, in one line, a path hvdkit could never write (found before any work, not after
+    it): under a file, or where its nearest existing directory refuses a new file (``/proc``,
+    read-only, no permission). A probe file is created there and removed at once.
+    ``directory``: the path is a directory hvdkit creates (checkpoints, TensorBoard)."""
+    import tempfile
+
+    from .errors import ConfigError
+
+    target = Path(path)
+    if not directory and target.is_dir():
+        raise ConfigError(f"{what} {path} is a directory", "name a file")
+    existing = target if directory else target.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{what} {path}: {existing} is a file, not a directory", "choose another path")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".hvdkit-probe-")
+    except OSError as exc:
+        raise ConfigError(f"{what} {path} cannot be written: {existing}: {exc.strerror or exc}",
+                          "choose a path you can write") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, *, durable: bool = False,

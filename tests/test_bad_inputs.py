@@ -71,6 +71,14 @@ CASES = [
     ("train --keep-best val_perplexity --checkpoint-dir ck --val-fraction 0.2", 2,
      "--keep-best val_perplexity is never produced"),
     ("train --model-arg width", 2, "--model-arg 'width' is not KEY=VALUE"),
+    # every path the run writes is found writable before it starts, not after the training
+    ("train --metrics-file /proc/x.json", 2, "--metrics-file /proc/x.json cannot be written: /proc"),
+    ("train --tensorboard /proc/x", 2, "--tensorboard /proc/x cannot be written"),
+    ("train --sample-log /proc/x.jsonl", 2, "--sample-log /proc/x.jsonl cannot be written"),
+    ("train --checkpoint-dir one-line.txt/ck", 2, "one-line.txt is a file, not a directory"),
+    ("train --metrics-file .", 2, "--metrics-file . is a directory"),
+    ("run --dry-run -- --timeline /proc/t.json", 2, "--timeline /proc/t.json cannot be written"),
+    ("slurm -o x.sbatch -- --tensorboard /proc/x", 2, "--tensorboard /proc/x cannot be written"),
     ("train --model tiny --model-arg width=4", 2, "--model tiny takes no argument 'width'"),
     # your own model and data: a path that does not import, a factory that raises, an argument it
     # lacks, an output that does not fit the labels, data that does not fit the model

@@ -280,6 +280,9 @@ def usage_checked(options: dict[str, Any]) -> TrainConfig:
                                   (cfg.optimizer, {"lr": cfg.lr, **cfg.optimizer_args}, "--optimizer")):
             if value and ":" in value:
                 resolve(value, args, what=what, skip=1 if what == "--optimizer" else 0)
+        from .validate import check_outputs
+
+        check_outputs(cfg)
     except ConfigError as exc:
         from ..environments import launcher_rank
 

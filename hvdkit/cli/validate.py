@@ -49,7 +49,9 @@ def check_train_args(args: Sequence[str], where: str = "after '--'", backend: st
     try:
         given = ["--backend", backend, *args] if backend else list(args)
         ctx = train_command.make_context("hvdkit train", given, resilient_parsing=False)
-        check_import_paths(build_train_config(ctx.params))
+        cfg = build_train_config(ctx.params)
+        check_import_paths(cfg)
+        check_outputs(cfg)
     except click.NoSuchOption as exc:
         raise click.UsageError(_unknown_option(exc, where)) from None
     except click.UsageError as exc:
@@ -57,6 +59,19 @@ def check_train_args(args: Sequence[str], where: str = "after '--'", backend: st
                                "HINT: see 'hvdkit train --help'") from None
     except ConfigError as exc:
         raise click.UsageError(f"training option {where}: {exc}") from None
+
+
+def check_outputs(cfg: TrainConfig) -> None:
+    """Every path the run will write can be written: found now, not after the training (a
+    metrics file) or at the first step (TensorBoard, the sample log, the timeline)."""
+    from ..fileio import check_writable
+
+    for value, what, directory in ((cfg.metrics_file, "--metrics-file", False), (cfg.sample_log, "--sample-log", False),
+                                   (cfg.tensorboard, "--tensorboard", True), (cfg.backend.horovod.timeline,
+                                                                              "--timeline", False),
+                                   (cfg.checkpoint_dir, "--checkpoint-dir", True)):
+        if value:
+            check_writable(value, what, directory)
 
 
 def check_import_paths(cfg: TrainConfig) -> None:
