@@ -32,6 +32,7 @@ TASK_NAMES = ("classification", "language-model")  # hvdkit.tasks implements the
 TASK_METRICS = {"classification": ("loss", "accuracy", "count"),
                 "language-model": ("loss", "accuracy", "count", "perplexity")}
 EPOCH_METRICS = ("loss", "samples_per_sec", "comm_wait")
+MAX_WORKERS = 64  # DataLoader worker processes per rank (--num-workers): more is a mistake
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw")          # hvdkit.optim builds them
 LR_SCHEDULES = ("constant", "cosine", "step")       # after the warm-up (hvdkit.schedule)
 PRECISIONS = ("fp32", "bf16", "fp16")  # hvdkit.precision implements them
@@ -338,9 +339,17 @@ class TrainConfig:
         _positive("checkpoint_every", self.checkpoint_every, allow_zero=True)
         _positive("eval_every", self.eval_every, allow_zero=True)
         _positive("num_workers", self.num_workers, allow_zero=True)
+        _positive("momentum", self.momentum, allow_zero=True)
+        if self.num_workers > MAX_WORKERS:
+            # each worker is a forked copy of the rank: thousands fork until the process limit
+            raise ConfigError(f"--num-workers {self.num_workers} is more than {MAX_WORKERS} DataLoader processes "
+                              "for one rank", "use a few per rank (2-8 is typical; about the cores each rank has)")
         _positive("weight_decay", self.weight_decay, allow_zero=True)
         _positive("lr_step_epochs", self.lr_step_epochs)
         _positive("lr_gamma", self.lr_gamma)
+        if self.lr_decay_steps is not None and self.lr_schedule != "cosine":
+            raise ConfigError(f"--lr-decay-steps sets the cosine schedule's length, and --lr-schedule is "
+                              f"{self.lr_schedule}: it would be ignored", "add --lr-schedule cosine, or drop it")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}", "e.g. 0.1")
         if self.clip_grad_norm is not None:

@@ -18,7 +18,12 @@ from torch import nn
 from .config import TrainConfig
 from .factories import call, is_import_path, resolve
 
-__all__ = ["param_groups", "make_optimizer"]
+__all__ = ["param_groups", "make_optimizer", "check_optimizer"]
+
+# what hvdkit passes to a built-in optimizer itself: an --optimizer-arg may not set these again
+_SET_BY_HVDKIT = {"sgd": {"lr": "--lr", "momentum": "--momentum", "weight_decay": "--weight-decay"},
+                  "adam": {"lr": "--lr", "weight_decay": "--weight-decay"},
+                  "adamw": {"lr": "--lr", "weight_decay": "--weight-decay"}}
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -53,3 +58,24 @@ def make_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter] | nn.Module,
         raise ConfigError(f"--optimizer {cfg.optimizer} made a {type(optimizer).__name__}, not a "
                           "torch.optim.Optimizer", "name an optimizer class, e.g. torch.optim:RMSprop")
     return optimizer
+
+
+def check_optimizer(cfg: TrainConfig) -> None:
+    """Build the optimizer once over one throwaway parameter: any argument it refuses (a name
+    it lacks, a value it rejects: ``eps=abc``, Adam's ``betas=[0.9]``) is one ConfigError now,
+    not a traceback on every rank at set-up."""
+    from .errors import ConfigError
+
+    for key in cfg.optimizer_args:
+        if key in _SET_BY_HVDKIT.get(cfg.optimizer, {}):
+            raise ConfigError(f"--optimizer-arg {key}: --optimizer {cfg.optimizer} gets {key} from "
+                              f"{_SET_BY_HVDKIT[cfg.optimizer][key]}", f"use {_SET_BY_HVDKIT[cfg.optimizer][key]}")
+    try:
+        make_optimizer(cfg, [torch.nn.Parameter(torch.zeros(2, 2))], cfg.lr)
+    except ConfigError:
+        raise
+    except Exception as exc:  # the optimizer's own refusal, whatever its type
+        given = " ".join(f"--optimizer-arg {k}={v}" for k, v in cfg.optimizer_args.items())
+        raise ConfigError(f"--optimizer {cfg.optimizer} refused {given or 'its arguments'}: "
+                          f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+                          "check the names and values against the optimizer's documentation") from None

@@ -280,9 +280,11 @@ def usage_checked(options: dict[str, Any]) -> TrainConfig:
                                   (cfg.optimizer, {"lr": cfg.lr, **cfg.optimizer_args}, "--optimizer")):
             if value and ":" in value:
                 resolve(value, args, what=what, skip=1 if what == "--optimizer" else 0)
+        from ..optim import check_optimizer
         from .validate import check_outputs
 
         check_outputs(cfg)
+        check_optimizer(cfg)  # imports torch: hvdkit train is about to anyway
     except ConfigError as exc:
         from ..environments import launcher_rank
 
