@@ -321,6 +321,9 @@ def _user_datasets(cfg: Any) -> tuple[Dataset, Dataset | None]:
         train, val = made
     else:
         train, val = made, None
+    if train is None:
+        raise ConfigError(f"--dataset {cfg.dataset} returned None as the training data",
+                          "return a map-style Dataset, or (train, val)")
     for name, ds in (("training", train), ("validation", val)):
         if ds is None:
             continue

@@ -296,6 +296,10 @@ def resolve(value: str, args: Mapping[str, Any] | None = None, what: str = "--mo
             module = importlib.import_module(path.module or "")
     except ConfigError:
         raise
+    except SystemExit as exc:  # a script's exit at import: the user sees why, not a silent code
+        raise ConfigError(f"{what} {value}: importing {path.file or path.module} called sys.exit({exc.code!r})",
+                          "a module hvdkit imports must not exit at import: put its script part under "
+                          "if __name__ == '__main__':") from None
     except Exception as exc:  # the user's module: any error, one line
         where = path.file or path.module
         raise ConfigError(f"{what} {value}: importing {where} failed: {type(exc).__name__}: "
@@ -303,8 +307,9 @@ def resolve(value: str, args: Mapping[str, Any] | None = None, what: str = "--mo
     obj: Any = module
     for part in path.attr.split("."):
         if not hasattr(obj, part):
-            raise ConfigError(f"{what} {value}: {getattr(obj, '__name__', obj)} has no attribute {part!r}",
-                              "check the name after ':'")
+            # the module by the name the user gave (a file's is internal: hvdkit_user_<hash>)
+            owner = (path.file or path.module) if obj is module else getattr(obj, "__name__", obj)
+            raise ConfigError(f"{what} {value}: {owner} has no attribute {part!r}", "check the name after ':'")
         obj = getattr(obj, part)
     if not callable(obj):
         raise ConfigError(f"{what} {value} is a {type(obj).__name__}, not something to call",
@@ -329,6 +334,9 @@ def call(factory: Callable[..., Any], value: str, args: Mapping[str, Any], what:
         return factory(*positional, **args)
     except HvdkitError:
         raise
+    except SystemExit as exc:
+        raise HvdkitError(f"{what} {value} called sys.exit({exc.code!r})",
+                          "a factory must return its object (or raise), not exit the process") from None
     except Exception as exc:  # the user's code failed: say where, in one line
         shown = ", ".join(f"{k}={v!r}" for k, v in args.items())
         raise HvdkitError(f"{what} {value}({shown}) raised {type(exc).__name__}: {first_line(exc)}",

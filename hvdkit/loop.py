@@ -397,6 +397,14 @@ def _set_up(cfg: TrainConfig, backend: Backend, log: Callable[[str], None], resu
     # broadcast) must make them rank 0's, and the tests check that it does.
     torch.manual_seed(cfg.seed + backend.rank)
     model = build_model(cfg.model, seed=cfg.seed + backend.rank, args=cfg.model_args)
+    params = list(model.parameters())
+    if not any(p.requires_grad for p in params):
+        frozen = ConfigError(f"--model {cfg.model} has nothing to train: "
+                             + (f"all its {len(params)} parameter tensors are frozen (requires_grad=False)"
+                                if params else "it has no parameters"),
+                             "unfreeze some parameters, or give a model with trainable ones")
+        frozen.echo = backend.is_master  # every rank builds the same model
+        raise frozen
     task = make_task(cfg.task)
     plan = LrPlan(kind=cfg.lr_schedule, min_ratio=cfg.min_lr_ratio, gamma=cfg.lr_gamma)
     optimizer = make_optimizer(cfg, model, cfg.lr)

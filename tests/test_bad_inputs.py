@@ -91,7 +91,12 @@ CASES = [
     # your own model and data: a path that does not import, a factory that raises, an argument it
     # lacks, an output that does not fit the labels, data that does not fit the model
     ("train --model nosuchpkg.models:net", 2, "importing nosuchpkg.models failed: ModuleNotFoundError"),
-    ("train --model factories.py:nope --data tiny.h5", 2, "has no attribute 'nope'"),
+    ("train --model factories.py:nope --data tiny.h5", 2, "factories.py has no attribute 'nope'"),  # not hvdkit_user_
+    ("train --model factories.py:noparams --data tiny.h5", 1, "has nothing to train: it has no parameters"),
+    ("train --model factories.py:frozen --data tiny.h5", 1, "all its 2 parameter tensors are frozen"),
+    ("train --dataset factories.py:none_data --model factories.py:linear", 1, "returned None as the training data"),
+    ("train --model factories.py:exits --data tiny.h5", 1, "--model factories.py:exits called sys.exit(3)"),
+    ("train --model exit4.py:net --data tiny.h5", 2, "importing exit4.py called sys.exit(4)"),
     ("train --model factories.py:boom --data tiny.h5", 1, "factories.py:boom() raised RuntimeError: no GPU"),
     ("train --model factories.py:linear --model-arg widht=4 --data tiny.h5", 2,
      "takes no argument 'widht'"),
@@ -162,7 +167,12 @@ def inputs(tmp_path_factory):
         "import torch\n\n"
         "def boom():\n    raise RuntimeError('no GPU')\n\n"
         "def linear(inputs=8, outputs=4):\n    return torch.nn.Linear(inputs, outputs)\n\n"
-        "def not_a_dataset():\n    return 3\n")
+        "def not_a_dataset():\n    return 3\n\n"
+        "def noparams():\n    return torch.nn.ReLU()\n\n"
+        "def frozen():\n    return torch.nn.Linear(8, 4).requires_grad_(False)\n\n"
+        "def none_data():\n    return None\n\n"
+        "def exits():\n    import sys\n    sys.exit(3)\n")
+    (d / "exit4.py").write_text("import sys\nsys.exit(4)\n")
     (d / "badspace.yaml").write_text("metric: final_loss\nfixed: {model: tiny}\n")
     (d / "unknown-key.yaml").write_text("grid: {lr: [0.1]}\nsearch: random\n")
     (d / "empty-grid.yaml").write_text("grid: {lr: []}\n")
