@@ -109,3 +109,17 @@ def test_console_hides_tracebacks_and_the_launchers_kill_of_peers_but_keeps_erro
     assert keep.causes == ["ValueError: boom"]
     # with no rank error before it, a kill is news (scancel, the batch system): shown
     assert ConsoleFilter()("[0]<stderr>:Terminated\n") == "[0]<stderr>:Terminated\n"
+
+
+@pytest.mark.parametrize("line, shown", [
+    # rank 0's own program, printed with flush=True: Open MPI tagged the line and its newline
+    ("[1,0]<stdout>:epoch 2 val_loss 0.3766[1,0]<stdout>:\n", "epoch 2 val_loss 0.3766\n"),
+    ("[0]<stderr>:restored\n", "restored\n"),                         # horovodrun's Gloo tag, rank 0
+    ("[1,1]<stdout>:rank one speaks\n", "[1,1]<stdout>:rank one speaks\n"),  # other ranks keep theirs
+    ("[1]<stdout>:[hvdkit r1] facts\n", "[hvdkit r1] facts\n"),        # hvdkit's lines name their rank
+    ("plain\n", "plain\n"),
+])
+def test_launcher_tags_are_dropped_where_they_say_nothing(line, shown):
+    from hvdkit.launch.output import untagged
+
+    assert untagged(line) == shown

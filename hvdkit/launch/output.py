@@ -33,13 +33,29 @@ _KILLED_BY_LAUNCHER = "Terminated"
 _CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
 
 
+# a tag inside a line: Open MPI tags every chunk a rank writes, so print(..., flush=True) of
+# a line and its newline in two writes came out as "[1,0]<stdout>:text[1,0]<stdout>:"
+_TAG_INSIDE = re.compile(r"\[\d+(?:,\d+)?\]<std(?:out|err)>:")
+
+
+def _tag_rank(tag: str) -> int | None:
+    """The rank a tag names: ``[r]<...>`` (horovodrun, Ray), ``[job,r]<...>`` (mpirun), ``[rankr]:``."""
+    numbers = re.findall(r"\d+", tag)
+    return int(numbers[-1]) if numbers else None
+
+
 def untagged(line: str) -> str:
-    """hvdkit's own lines without the launcher's tag: they name their rank already
-    (``[hvdkit]`` is rank 0, ``[hvdkit r1]`` rank 1, ``Error: rank 1/2 ...``)."""
+    """A line without the launcher's tag where the tag says nothing: hvdkit's own lines name
+    their rank already (``[hvdkit]`` is rank 0, ``[hvdkit r1]`` rank 1, ``Error: rank 1/2
+    ...``), and rank 0's lines of any program read as they would alone. Other ranks' lines
+    keep the tag that tells them apart."""
     m = _TAG.match(line)
-    if m and line[m.end():].startswith(("[hvdkit", "Error: ", "WARNING: ")):
-        return line[m.end():]
-    return line
+    if not m:
+        return line
+    body = _TAG_INSIDE.sub("", line[m.end():])
+    if body.startswith(("[hvdkit", "Error: ", "WARNING: ")) or _tag_rank(m.group(1)) == 0:
+        return body
+    return line[:m.end()] + body
 
 
 @dataclass
