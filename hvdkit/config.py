@@ -308,6 +308,10 @@ class TrainConfig:
                 if best[0] not in known:
                     raise ConfigError(f"--keep-best {best[0]} is never produced: the {self.task} task's "
                                       f"epochs report {', '.join(known)}", "name one of them, e.g. val_loss")
+        if self.model not in MODEL_NAMES and not self.data and not self.dataset:
+            # said here, so when a script is generated too, not by every rank after the launch
+            raise ConfigError(f"--model {self.model} needs data: synthetic data exists only for the built-in "
+                              f"models ({', '.join(MODEL_NAMES)})", "pass --data FILE.h5 or --dataset pkg.module:fn")
         if (self.asha_dir is None) != (self.asha_trial is None):
             raise ConfigError("--asha-dir and --asha-trial go together",
                               "let 'hvdkit sweep --scheduler asha' pass both")
