@@ -123,3 +123,23 @@ def test_launcher_tags_are_dropped_where_they_say_nothing(line, shown):
     from hvdkit.launch.output import untagged
 
     assert untagged(line) == shown
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(300)  # measured 12 s (2 cores)
+@pytest.mark.parametrize("backend", ["horovod", "ddp"])
+def test_a_failure_on_every_rank_is_one_error_line(tmp_path, backend):
+    """Each rank said the same 'Error: ...' and hvdkit run its summary under them: three lines of
+    the same words. Now the ranks' lines go to the log and the summary is the one line."""
+    (tmp_path / "f.py").write_text("def boom():\n    raise RuntimeError('no GPU')\n")
+    subprocess.run([PY, "-m", "hvdkit", "data", "make-synthetic", str(tmp_path / "d.h5"), "--model", "tiny",
+                    "--num-samples", "64"], env=base_env(), check=True, capture_output=True, timeout=120)
+    proc = subprocess.run([PY, "-m", "hvdkit", "run", "-np", "2", "--backend", backend, "--", "--model",
+                           f"{tmp_path}/f.py:boom", "--data", str(tmp_path / "d.h5")], env=base_env(),
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("Error")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stdout + proc.stderr
+    assert errors[0].startswith(f"Error: job failed (exit 1): --model {tmp_path}/f.py:boom() raised RuntimeError: "
+                                "no GPU") and "[full output: " in errors[0]
+    log = errors[0].rsplit("[full output: ", 1)[1].rstrip("]")
+    assert open(log).read().count("raised RuntimeError: no GPU") >= 2  # every rank's line is in the log

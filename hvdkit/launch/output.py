@@ -94,7 +94,10 @@ class ConsoleFilter:
             # Without an Error: line first it stays shown (scancel, a batch system's SIGTERM).
             return None
         if text.startswith("Error: "):
+            # every rank that fails says so, often the same words: they are kept for the one
+            # closing line (RunOutcome.summary) and the log, not shown once per rank
             self.errors.append(text)
+            return None
         return line
 
 
@@ -124,7 +127,11 @@ class RunOutcome:
         """
         own = [e for e in self.errors if "lost contact with" not in e]
         if own or self.errors:
-            what = (own or self.errors)[0].removeprefix("Error: ")
+            chosen = own or self.errors
+            what = chosen[0].removeprefix("Error: ")
+            others = len({e.removeprefix("Error: ") for e in chosen}) - 1
+            if others:
+                what += f" (and {others} other error line(s) in the log)"
         elif self.causes:
             what = self.causes[0]
         else:
