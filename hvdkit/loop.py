@@ -697,6 +697,8 @@ def _end_epoch(run: _Run, samples_here: int, seconds: float, waited: float) -> b
     slowest = backend.allreduce_metric(seconds, op="max")
     sps = samples_here / slowest if slowest > 0 else float("nan")
     comm = backend.allreduce_metric(waited / seconds if seconds > 0 else 0.0) if backend.size > 1 else 0.0
+    if not backend.comm_wait_measured:
+        comm = float("nan")  # not measured (FSDP2): said so, not shown as 0%
     epoch_loss = (p.loss_committed + backend.allreduce_metric(run.loss_sum)) / max(p.steps_in_epoch, 1)
     if run.samples is not None:  # while the state still says which epoch they belong to
         run.samples.record(epoch, run.step)
@@ -707,7 +709,8 @@ def _end_epoch(run: _Run, samples_here: int, seconds: float, waited: float) -> b
     run.result.history = p.history
     if run.master:
         shown = "".join(f" val_{k} {v:.6g}" for k, v in val.items() if k != "count")
-        run.log(f"epoch {epoch} loss {epoch_loss:.6f}{shown} samples/s {sps:.1f} comm wait {comm:.0%} "
+        waits = f"{comm:.0%}" if comm == comm else "not measured"  # nan: FSDP2's waits are in backward
+        run.log(f"epoch {epoch} loss {epoch_loss:.6f}{shown} samples/s {sps:.1f} comm wait {waits} "
                 f"({backend.size} ranks)")
     run.observers.epoch(run, record)
     run.check_nonfinite(not run.watch.warned and run.watch.check_now(), before_save=False)

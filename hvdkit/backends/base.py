@@ -83,6 +83,9 @@ class Backend(ABC):
         # Seconds this process's training thread has waited for reduced gradients: the part of
         # communication that compute did not hide (the loop reports it per epoch as a share).
         self.comm_wait = 0.0
+        # False where the wait cannot be told apart from compute (FSDP2 waits inside backward):
+        # the epoch line then says "not measured" instead of a 0% that would be a guess
+        self.comm_wait_measured = True
         self._unsynced = 0  # micro-batches since the last sync=True (see accumulate)
 
     # -- identity ---------------------------------------------------------------

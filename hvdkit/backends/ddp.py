@@ -125,6 +125,7 @@ class DDPBackend(Backend):
             # rank 0's whole weights first: once sharded, a "whole model" is every rank's part
             # of its own initialisation, and no rank holds rank 0's any more
             self.broadcast_state(model)
+            self.comm_wait_measured = False  # FSDP2's waits are inside backward (see _accumulate)
             return fsdp.shard_model(model, optimizer, self.device)
         ddp = DistributedDataParallel(
             model,
@@ -271,12 +272,13 @@ class DDPBackend(Backend):
 
     def start_reduce_scatter_mean(self, flat: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
         out = torch.empty(flat.numel() // self._size, dtype=flat.dtype, device=flat.device)
-        work = dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, async_op=True)
+        # torch 2.13's names (the *_tensor ones warn FutureWarning on every call)
+        work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, async_op=True)
         return _when_done(work, lambda: out.div_(self._size))  # gloo has no AVG
 
     def start_all_gather_flat(self, shard: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
         out = torch.empty(shard.numel() * self._size, dtype=shard.dtype, device=shard.device)
-        work = dist.all_gather_into_tensor(out, shard.contiguous(), async_op=True)
+        work = dist.all_gather_single(out, shard.contiguous(), async_op=True)
         return _when_done(work, lambda: out)
 
     def start_allreduce_mean(self, tensor: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
