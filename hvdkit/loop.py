@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import math
 import os
 import socket
 import time
@@ -676,6 +677,20 @@ def _evaluate(run: _Run, say: bool = False) -> dict[str, float]:
     cfg = run.cfg
     metrics = evaluate(run.backend, run.model, run.val_data, run.task, cfg.eval_batch_size or run.geo.batch,
                        cfg.precision, cfg.num_workers)
+    bad = sorted(k for k, v in metrics.items() if not math.isfinite(v))
+    if bad:
+        # training is finite (the watch stops it otherwise): the held-out data is what holds
+        # NaN/inf, and every metric of it (and --keep-best on it) would be nan without a word
+        what = f"validation {', '.join(bad)} = {metrics[bad[0]]} at step {run.step} while training is finite"
+        source = cfg.val_data or ("--val-fraction of " + (cfg.data or cfg.dataset or "the data"))
+        if cfg.on_nonfinite == "stop":
+            err = HvdkitError(f"{what}: the validation data ({source}) likely holds NaN/inf values",
+                              "check it with 'hvdkit data check FILE'; --on-nonfinite warn goes on")
+            err.echo = run.master  # the metrics are the same on every rank: all stop, one says it
+            raise err
+        if run.master and not run.watch.warned_eval:
+            run.watch.warned_eval = True
+            warn(f"{what}; the validation data ({source}) likely holds NaN/inf values")
     run.progress.last_eval = metrics
     if run.master and say:
         shown = " ".join(f"val_{k} {v:.6g}" for k, v in metrics.items() if k != "count")

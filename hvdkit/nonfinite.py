@@ -30,6 +30,7 @@ class NonFiniteWatch:
         if mode not in MODES:
             raise ValueError(f"on_nonfinite must be one of {MODES}, got {mode!r}")
         self.backend, self.mode, self.warned = backend, mode, False
+        self.warned_eval = False  # a non-finite validation metric was reported (hvdkit.loop)
         self._first = torch.full((), _NEVER, dtype=torch.int64, device=backend.device)
 
     def record(self, loss: torch.Tensor, step: int) -> None:

@@ -123,6 +123,8 @@ CASES = [
     ("train --data float64.h5 --model tiny", 1, "has dtype float64, expected float32"),
     ("train --data nokeys.h5 --model tiny", 1, "no dataset 'x'"),
     ("train --data tiny.h5 --val-data nokeys.h5 --model tiny", 1, "nokeys.h5: no dataset 'x'"),
+    ("train --data tiny.h5 --val-data nan.h5 --model tiny --epochs 1", 1,
+     "validation loss = nan at step 2 while training is finite: the validation data (nan.h5) likely holds NaN/inf"),
     # hvdkit ckpt / data / sweep / bench
     ("ckpt show missing.h5", 1, "does not exist"),
     ("ckpt show one-line.txt", 1, "damaged header or is not a checkpoint"),
