@@ -236,6 +236,13 @@ def check_static(value: str, args: Mapping[str, Any] | None = None, what: str = 
         file = found
     if file.suffix != ".py":
         return
+    try:  # a file that cannot even be parsed fails on every rank at import: say so now
+        ast.parse(file.read_text(), filename=str(file))
+    except SyntaxError as exc:
+        raise ConfigError(f"{what} {value}: {file.name} line {exc.lineno}: SyntaxError: {exc.msg}",
+                          "fix the file; 'python -m py_compile FILE' shows the same") from None
+    except (OSError, UnicodeDecodeError, ValueError):
+        pass  # unreadable here: resolve() on the ranks will say
     first, _, rest = path.attr.partition(".")
     defined = _find_definition(file, first, path.module)
     if defined is False:
@@ -251,6 +258,15 @@ def check_static(value: str, args: Mapping[str, Any] | None = None, what: str = 
         positional = positional[1:]
     params = positional + [a.arg for a in sig.kwonlyargs]
     _check_names(what, path, params, sig.kwarg is not None, args, skip)
+    # required: positional ones without a default, after those hvdkit passes, and keyword-only
+    # ones without one; an optimizer also gets lr from hvdkit (in args already, as resolve's)
+    required = positional[skip:len(positional) - len(sig.defaults)] + \
+        [a.arg for a, d in zip(sig.kwonlyargs, sig.kw_defaults) if d is None]
+    missing = [name for name in required if name not in args]
+    if missing and what != "--task":  # a task function gets (model, batch) from hvdkit itself
+        flag = {"--model": "--model-arg", "--dataset": "--dataset-arg", "--optimizer": "--optimizer-arg"}.get(what)
+        raise ConfigError(f"{what} {value} needs {', '.join(map(repr, missing))}, which nothing passes",
+                          f"add {flag} {missing[0]}=VALUE" if flag else "give it a default")
 
 
 def _import_file(file: Path) -> Any:

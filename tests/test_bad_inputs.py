@@ -39,6 +39,10 @@ CASES = [
     ("slurm -o x.sbatch -- --model missing.py:net --data tiny.h5", 2, "file missing.py does not exist"),
     ("slurm -o x.sbatch -- --model factories.py:nope --data tiny.h5", 2, "factories.py defines no 'nope'"),
     ("slurm -o x.sbatch -- --lr nan", 2, "Invalid value for '--lr': 'nan' is not a finite number"),
+    ("slurm -o x.sbatch --fusion-threshold-mb nan -- --model tiny", 2, "'nan' is not a finite number"),
+    ("slurm -o x.sbatch -- --model syntax.py:net --data tiny.h5", 2, "syntax.py line 1: SyntaxError"),
+    ("slurm -o x.sbatch -- --optimizer factories.py:NeedsArg", 2,
+     "--optimizer factories.py:NeedsArg needs 'required_thing', which nothing passes"),
     ("slurm -o x.sbatch -- --keep-best val_f1 --checkpoint-dir ck --val-fraction 0.2", 2,
      "--keep-best val_f1 is never produced: the classification task's epochs report loss, samples_per_sec, "
      "comm_wait, val_loss, val_accuracy"),
@@ -176,7 +180,10 @@ def inputs(tmp_path_factory):
         "def noparams():\n    return torch.nn.ReLU()\n\n"
         "def frozen():\n    return torch.nn.Linear(8, 4).requires_grad_(False)\n\n"
         "def none_data():\n    return None\n\n"
-        "def exits():\n    import sys\n    sys.exit(3)\n")
+        "def exits():\n    import sys\n    sys.exit(3)\n\n"
+        "class NeedsArg(torch.optim.SGD):\n    def __init__(self, params, lr, required_thing):\n"
+        "        super().__init__(params, lr=lr)\n")
+    (d / "syntax.py").write_text("def net(:\n    pass\n")
     (d / "exit4.py").write_text("import sys\nsys.exit(4)\n")
     (d / "badspace.yaml").write_text("metric: final_loss\nfixed: {model: tiny}\n")
     (d / "unknown-key.yaml").write_text("grid: {lr: [0.1]}\nsearch: random\n")

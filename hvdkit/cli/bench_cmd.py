@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from .common import config_option, translate_errors
+from .common import FiniteFloat, config_option, translate_errors
 
 
 def _ints(text: str | None) -> tuple[int, ...] | None:
@@ -42,7 +42,7 @@ def _floats(text: str | None) -> tuple[float, ...] | None:
 @click.option("--fusion-mb", default=None, help="Fusion thresholds to sweep (MB).")
 @click.option("--bucket-mb", default=None, help="DDP bucket sizes to sweep (MB).")
 @click.option("--cycle-ms", default=None, help="Horovod cycle times to sweep (ms).")
-@click.option("--ckpt-params-m", type=click.FloatRange(min=0.01), default=None, help="Checkpoint size, M params.")
+@click.option("--ckpt-params-m", type=FiniteFloat(min=0.01), default=None, help="Checkpoint size, M params.")
 @click.option("--overhead-epochs", type=click.IntRange(min=2), default=None)
 @translate_errors
 def bench_command(quick: bool, out: str, only: str | None, models: str | None, **o: Any) -> None:

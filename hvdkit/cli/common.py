@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sys
 import tomllib
 from collections.abc import Callable
@@ -14,7 +15,7 @@ import click
 
 from ..errors import HvdkitError, first_line
 
-__all__ = ["config_option", "load_config_file", "translate_errors", "ray_options", "ray_spec"]
+__all__ = ["config_option", "load_config_file", "translate_errors", "ray_options", "ray_spec", "FiniteFloat"]
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -119,3 +120,20 @@ def ray_spec(np: int, ray_address: str | None, ray_placement: str, cpus_per_task
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     return spec
+
+
+class FiniteFloat(click.FloatRange):
+    """A float option's type: its range (if any), and never nan or inf. A range check alone lets
+    nan through (every comparison with it is false), and no option of training means anything
+    by nan or inf."""
+
+    name = "float"
+
+    def _describe_range(self) -> str:
+        return "finite" if self.min is None and self.max is None else f"finite, {super()._describe_range()}"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        out = super().convert(value, param, ctx)
+        if isinstance(out, float) and not math.isfinite(out):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return out

@@ -17,7 +17,7 @@ from ..fileio import write_text_atomic
 from ..launch.local import training_program
 from ..launch.slurm import RAY_ENGINE, SLURM_LAUNCHERS, SRUN_MPI, SlurmJob, render_sbatch, submit
 from ..launch.vocabulary import BACKEND_VAR, ELASTIC_LAUNCHER, iface_env
-from .common import config_option, translate_errors
+from .common import FiniteFloat, config_option, translate_errors
 from .validate import check_array_params, check_program, check_train_args, is_program
 
 # every default below is SlurmJob's own (tests/test_config.py checks that none drifts)
@@ -99,8 +99,8 @@ def _print_template_dir(ctx: click.Context) -> None:
 @click.option("--workdir", default=None, help="cd here before running.")
 @click.option("--sbatch", multiple=True, help="Extra #SBATCH option, e.g. --sbatch=--exclusive (repeatable).")
 @click.option("--env", multiple=True, help="NAME=VALUE to export (repeatable).")
-@click.option("--fusion-threshold-mb", type=click.FloatRange(min=0), default=None, help="HOROVOD_FUSION_THRESHOLD.")
-@click.option("--cycle-time-ms", type=click.FloatRange(min=0, min_open=True), default=None, help="HOROVOD_CYCLE_TIME.")
+@click.option("--fusion-threshold-mb", type=FiniteFloat(min=0), default=None, help="HOROVOD_FUSION_THRESHOLD.")
+@click.option("--cycle-time-ms", type=FiniteFloat(min=0, min_open=True), default=None, help="HOROVOD_CYCLE_TIME.")
 @click.option("--iface", default=None, help="Network interface for NCCL/Gloo/Horovod (e.g. ib0).")
 @click.option("--engine", type=click.Choice(["launcher", "ray"]), default="launcher", show_default=True,
               help="launcher: the ranks are started by --launcher; ray: Ray is started inside the allocation "

@@ -8,7 +8,6 @@ constants), so the command and the library cannot drift apart;
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 import traceback
 from typing import Any
@@ -33,7 +32,7 @@ from ..config import (
 )
 from ..environments import ENVIRONMENTS
 from ..errors import ConfigError, HvdkitError, first_line
-from .common import config_option, translate_errors
+from .common import FiniteFloat, config_option, translate_errors
 
 TRAIN = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
 HVD = {f.name: f.default for f in dataclasses.fields(HorovodOptions)}
@@ -44,21 +43,6 @@ ENVIRONMENT_NAMES = ("auto", *ENVIRONMENTS)
 ARG_LISTS = {"model_args": "--model-arg", "dataset_args": "--dataset-arg", "optimizer_args": "--optimizer-arg"}
 
 
-class FiniteFloat(click.FloatRange):
-    """A float option's type: its range (if any), and never nan or inf. A range check alone lets
-    nan through (every comparison with it is false), and no option of training means anything
-    by nan or inf."""
-
-    name = "float"
-
-    def _describe_range(self) -> str:
-        return "finite" if self.min is None and self.max is None else f"finite, {super()._describe_range()}"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        out = super().convert(value, param, ctx)
-        if isinstance(out, float) and not math.isfinite(out):
-            self.fail(f"{value!r} is not a finite number", param, ctx)
-        return out
 
 
 def _opt(*decls: str, **kw: Any):  # click decorator
