@@ -67,6 +67,7 @@ class TrainResult:
 
     backend: str
     world_size: int
+    shard: str = "none"  # --shard: none, optimizer (ZeRO) or full (FSDP2)
     epoch_losses: list[float] = field(default_factory=list)
     samples_per_sec: list[float] = field(default_factory=list)
     history: list[dict[str, Any]] = field(default_factory=list)  # per epoch: loss, val_*, samples/s
@@ -123,7 +124,7 @@ def train(cfg: TrainConfig, backend: Backend | None = None,
         return seen[0]
 
     configure_log(cfg.log_level, rank=rank)
-    result = TrainResult(backend=backend.name, world_size=backend.size)
+    result = TrainResult(backend=backend.name, world_size=backend.size, shard=cfg.backend.shard)
     try:
         return _train(cfg, backend, log, result)
     except BaseException as exc:

@@ -2,7 +2,7 @@
 
 Left: the training loss per epoch (solid) and the validation loss (dashed) of every run;
 right: the other held-out metrics (accuracy, perplexity, yours), one panel each, at most
-three. Each run is labelled by its file name, backend and world size. matplotlib draws it
+three. Each run is labelled by its file name, backend, world size and shard mode (when sharded). matplotlib draws it
 (``pip install 'hvdkit[plots]'``).
 """
 
@@ -40,7 +40,9 @@ def load_runs(paths: list[str]) -> list[tuple[str, dict[str, Any]]]:
             if bad is not None:
                 raise HvdkitError(f"{path}: history record {n} has no numeric {bad!r}",
                                   "pass files written by hvdkit train --metrics-file, unedited")
-        label = f"{path.stem} ({data.get('backend', '?')}, {data.get('world_size', '?')} ranks)"
+        shard = data.get("shard", "none")
+        label = f"{path.stem} ({data.get('backend', '?')}, {data.get('world_size', '?')} ranks" \
+                f"{'' if shard == 'none' else f', --shard {shard}'})"
         runs.append((label, data))
     return runs
 

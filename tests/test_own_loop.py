@@ -255,3 +255,13 @@ def test_hvdkits_log_works_after_train_has_shut_the_backend_down():
                           timeout=100)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "[hvdkit] after train: the log still works" in proc.stderr
+
+
+def test_plot_labels_name_the_shard_mode(tmp_path):
+    from hvdkit.plot import load_runs
+
+    for name, shard in (("a", "full"), ("b", "none")):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"backend": "ddp", "world_size": 2, "shard": shard,
+                                                           "history": [{"epoch": 0, "step": 4, "loss": 1.0}]}))
+    labels = [label for label, _ in load_runs([str(tmp_path / "a.json"), str(tmp_path / "b.json")])]
+    assert labels == ["a (ddp, 2 ranks, --shard full)", "b (ddp, 2 ranks)"]
