@@ -32,6 +32,7 @@ CASES = [
     ("slurm -o x.sbatch --backend mxnet", 2, "'mxnet' is not one of"),
     ("slurm -o x.sbatch -- noexec.py --epochs 1", 2, "noexec.py"),
     ("slurm -o x.sbatch -- ./missing.py", 2, "does not exist"),
+    ("slurm -o x.sbatch -- python /nonexistent/train.py", 2, "python would run /nonexistent/train.py, which does not"),
     ("slurm -o x.sbatch -- --model nosuchpkg.models:net --data tiny.h5", 2,
      "module nosuchpkg.models cannot be found here"),
     ("slurm -o x.sbatch -- --model factories.py:linear --model-arg widht=4 --data tiny.h5", 2,

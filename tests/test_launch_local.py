@@ -37,7 +37,12 @@ def test_dry_run():
     assert result.exit_code == 0
     assert "mpirun -np 3 -bind-to none -map-by slot" in result.output
     assert "hvdkit train --backend ddp --epochs 2" in result.output
-    result = CliRunner().invoke(cli, ["run", "--controller", "mpi", "--dry-run", "--", "python", "x y.py"])
+    runner = CliRunner()
+    with runner.isolated_filesystem():
+        result = runner.invoke(cli, ["run", "--controller", "mpi", "--dry-run", "--", "python", "x y.py"])
+        assert "python would run x y.py, which does not exist" in result.output  # found now, not on the nodes
+        open("x y.py", "w").close()
+        result = runner.invoke(cli, ["run", "--controller", "mpi", "--dry-run", "--", "python", "x y.py"])
     assert "horovodrun -np 2 -H localhost:2 --mpi python 'x y.py'" in result.output
 
 

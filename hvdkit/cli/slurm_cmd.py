@@ -169,7 +169,7 @@ def slurm_command(**o: Any) -> None:
             raise click.UsageError(str(exc)) from None
     # everything the nodes would trip over, checked now: nothing is written when one fails
     if is_program(args):
-        check_program(args, o["venv"])
+        check_program(args, o["venv"], o["workdir"])
     else:
         check_train_args(args, backend=o["backend"])
     try:

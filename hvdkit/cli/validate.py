@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -106,9 +107,18 @@ def _unknown_option(exc: click.NoSuchOption, where: str) -> str:
     return f"training option {where}: no such option {name}. HINT: {hint}see 'hvdkit train --help'"
 
 
-def check_program(args: Sequence[str], venv: str | None = None) -> None:
-    """A program after ``--`` must exist and be runnable as written, here and so on the nodes."""
+_INTERPRETER = re.compile(r"^(python[\d.]*|bash|sh)$")
+
+
+def check_program(args: Sequence[str], venv: str | None = None, workdir: str | None = None) -> None:
+    """A program after ``--`` must exist and be runnable as written, here and so on the nodes;
+    so must the script an interpreter is given (``python train.py``), relative to ``workdir``."""
     exe = args[0]
+    if _INTERPRETER.match(Path(exe).name) and len(args) > 1 and not args[1].startswith("-"):
+        script = Path(workdir or ".") / args[1] if not Path(args[1]).is_absolute() else Path(args[1])
+        if not script.is_file():
+            raise click.UsageError(f"{exe} would run {args[1]}, which does not exist (relative to "
+                                   f"{workdir or os.getcwd()}). HINT: give a path the compute nodes can see")
     if "/" in exe or exe.endswith(".py"):
         path = Path(exe)
         if not path.exists():
