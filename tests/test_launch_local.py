@@ -149,3 +149,18 @@ def test_a_failure_on_every_rank_is_one_error_line(tmp_path, backend):
                                 "no GPU") and "[full output: " in errors[0]
     log = errors[0].rsplit("[full output: ", 1)[1].rstrip("]")
     assert open(log).read().count("raised RuntimeError: no GPU") >= 2  # every rank's line is in the log
+
+
+def test_a_preempted_run_says_so_with_its_step_not_job_failed(tmp_path):
+    """Exit 75 is 'preempted, not requeued' (README): the closing line says what happened, at which
+    step, and how to resume, instead of 'Error: job failed (exit 75)'."""
+    from hvdkit.launch.output import RunOutcome
+
+    keep = ConsoleFilter()
+    for line in ("[0]<stdout>:[hvdkit] epoch 0 loss 1.2\n",
+                 "[0]<stdout>:[hvdkit] preempted at step 57 by SIGUSR1; checkpoint saved; not requeued\n"):
+        keep(line)
+    outcome = RunOutcome(75, tmp_path / "log", keep.errors, keep.causes, keep.preempted_at)
+    assert outcome.closing_line() == ("preempted (exit 75): the ranks saved a checkpoint at step 57 and stopped, not "
+                                      "requeued; run the same command again to resume from it")
+    assert RunOutcome(1, tmp_path / "log", ["Error: boom"], []).closing_line().startswith("Error: job failed (exit 1)")

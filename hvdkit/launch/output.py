@@ -30,6 +30,7 @@ _LAUNCHER_NOISE = re.compile(r"^(Process \d+ exit with status code \d+\.|"
                              r"Process name: \S+|Exit code: \d+|)$")  # the last: blank lines
 # what a rank's shell prints when the launcher kills it (SIGTERM) because another rank failed
 _KILLED_BY_LAUNCHER = "Terminated"
+_PREEMPTED_AT = re.compile(r"preempted at step (\d+)")  # hvdkit.preemption's line, rank 0
 _CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
 
 
@@ -64,6 +65,7 @@ class ConsoleFilter:
 
     causes: list[str] = field(default_factory=list)  # last line of each hidden traceback
     errors: list[str] = field(default_factory=list)  # "Error: ..." lines ranks printed
+    preempted_at: int | None = None  # the step of rank 0's "preempted at step N" line
     _in_traceback: dict[str, bool] = field(default_factory=dict)
     _in_banner: bool = False
 
@@ -93,6 +95,9 @@ class ConsoleFilter:
             # a peer of the rank that failed, stopped by the launcher: not a second failure.
             # Without an Error: line first it stays shown (scancel, a batch system's SIGTERM).
             return None
+        stop = _PREEMPTED_AT.search(text)
+        if stop:
+            self.preempted_at = int(stop.group(1))
         if text.startswith("Error: "):
             # every rank that fails says so, often the same words: they are kept for the one
             # closing line (RunOutcome.summary) and the log, not shown once per rank
@@ -109,6 +114,7 @@ class RunOutcome:
     log: Path
     errors: list[str]
     causes: list[str]
+    preempted_at: int | None = None
 
     def closing_line(self) -> str:
         """What 'hvdkit run' prints last for a run that did not succeed: a preemption (exit 75)
@@ -116,7 +122,8 @@ class RunOutcome:
         from ..preemption import EXIT_PREEMPTED
 
         if self.returncode == EXIT_PREEMPTED:
-            return ("preempted (exit 75): the ranks saved a checkpoint and stopped, not requeued; "
+            where = f" at step {self.preempted_at}" if self.preempted_at is not None else ""
+            return (f"preempted (exit 75): the ranks saved a checkpoint{where} and stopped, not requeued; "
                     "run the same command again to resume from it")
         return f"Error: {self.summary()}"
 
@@ -183,7 +190,7 @@ class ConsoleLog:
         self.handle.close()
         if code == 0:
             self.log.unlink(missing_ok=True)
-        return RunOutcome(code, self.log, self.keep.errors, self.keep.causes)
+        return RunOutcome(code, self.log, self.keep.errors, self.keep.causes, self.keep.preempted_at)
 
 
 def run_with_log(argv: Sequence[str], env: Mapping[str, str], log_dir: str | None = None,
