@@ -59,7 +59,7 @@ def test_the_own_loop_page_runs_as_written_preempted_in_slurm_requeued_and_resum
                                     capture_output=True, text=True, timeout=240))
     assert (tmp_path / "ref" / "best").is_file()
     # the program's own lines read as they would alone, under horovodrun as under mpirun
-    assert re.search(r"^epoch 0 val_loss \S+$", straight.stdout, re.M) and "<stdout>" not in straight.stdout
+    assert re.search(r"^epoch 0 val_loss \S+$", straight, re.M) and "<stdout>" not in straight
     script = render(tmp_path, "own", "--backend", backend, "--tasks-per-node", "2", "--",
                     "python", str(program), str(tmp_path / "data.h5"), str(tmp_path / "ck"))
     job = sbatch(script, tmp_path)
