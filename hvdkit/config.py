@@ -95,7 +95,7 @@ class HorovodOptions:
     ``None`` keeps Horovod's defaults (128 MiB, 1 ms in 0.28). 0 MB turns fusion off.
 
     ``reducer``: ``bucketed`` sends gradients in DDP-style buckets of ``bucket_cap_mb``
-    through Horovod's allreduce (:mod:`hvdkit.backends.buckets`); ``stock`` is
+    through Horovod's allreduce (:mod:`hvdkit.backends.hvd_reducer`); ``stock`` is
     Horovod's ``DistributedOptimizer`` itself, one allreduce per parameter. Adasum always
     runs on the stock optimizer (it reduces tensor by tensor by design).
     """

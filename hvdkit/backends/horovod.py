@@ -19,7 +19,7 @@ from ..config import BackendConfig
 from ..environments import detect_environment
 from ..errors import BackendUnavailableError, ConfigError, HvdkitError, LauncherEnvError
 from .base import Backend, ElasticLoop, clip_gradients
-from .buckets import bucketed_optimizer
+from .hvd_reducer import bucketed_optimizer
 from .zero import ShardedOptimizer
 
 T = TypeVar("T")

@@ -24,24 +24,30 @@ bucket: a reduce-scatter would then send N times that tensor. Such a bucket (N x
 segment > 2 x its size) is **replicated** instead: allreduced (what unsharded DDP pays) and
 its parameters broadcast from their owners after the step.
 
-The backend supplies the collectives (``Backend.start_reduce_scatter_mean`` and friends), so
-Horovod (``hvd.reducescatter``/``hvd.allgather``) and torch.distributed share this one piece.
+The buckets are planned and started by hvdkit's one bucket engine
+(:mod:`hvdkit.backends.buckets`); this module holds only what is ZeRO's: who owns which
+parameter, the owner-by-owner layout of a bucket and its collective, the local step, the
+gather, and the state's standard layout. The backend supplies the collectives
+(``Backend.start_reduce_scatter_mean`` and friends), so Horovod
+(``hvd.reducescatter``/``hvd.allgather``) and torch.distributed share this one piece.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .buckets import BucketEngine, Wait, bucket_bytes, plan_buckets
+
 if TYPE_CHECKING:
     from .base import Backend
 
-__all__ = ["Bucket", "ShardedOptimizer", "bucket_bytes", "plan_buckets", "same_optimizer"]
+__all__ = ["OwnedBucket", "ShardedOptimizer", "assign_owners", "same_optimizer"]
 
 
 def same_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
@@ -71,46 +77,25 @@ def _entry(state: dict[Any, Any], index: int) -> Any:
     return state.get(index, state.get(str(index)))
 
 
-@dataclass
-class Bucket:
-    """Parameters (global indices) whose gradients travel together, and who owns which."""
+@dataclass(frozen=True)
+class OwnedBucket:
+    """A bucket of the plan (global parameter indices), and who owns which of its parameters."""
 
     index: int                 # position in the plan: the order every rank starts buckets in
-    params: list[int]
+    params: tuple[int, ...]
     segments: list[list[int]]  # per owner rank, in layout order
     width: int                 # elements of the widest owner segment (the padded segment length)
     scatter: bool              # reduce-scatter + all-gather; False: allreduce + broadcasts
-    ready: int = 0             # parameters whose gradient is complete this step
-    wait: Callable[[], torch.Tensor] | None = field(default=None, repr=False)
-    stale: bool = False        # a gradient grew after the bucket started (more backward passes)
 
 
-def plan_buckets(numels: list[int], keys: list[Any], element_bytes: list[int], world: int,
-                 cap_bytes: int) -> tuple[list[Bucket], list[int]]:
-    """Buckets over the parameters in reverse order (backward's), each of one ``keys`` value
-    (dtype and device) and about ``cap_bytes``, a parameter over the cap alone in its own; and
-    every parameter's owner. Within a bucket, largest first to the rank with the least of the
-    bucket (then the least overall, then the lowest rank), so every rank computes one plan."""
+def assign_owners(plan: Sequence[Sequence[int]], numels: list[int], world: int) -> tuple[list[OwnedBucket], list[int]]:
+    """Every parameter's owner, bucket by bucket: largest first to the rank with the least of
+    the bucket (then the least overall, then the lowest rank), so every rank computes one
+    assignment; and each bucket's owner-by-owner layout."""
     owner = [0] * len(numels)
     total_load = [0] * world
-    open_: dict[Any, tuple[list[int], int]] = {}  # key -> (members, their bytes)
-    closed: list[list[int]] = []
-    for i in reversed(range(len(numels))):
-        members, filled = open_.get(keys[i], ([], 0))
-        size = numels[i] * element_bytes[i]
-        if members and filled + size > cap_bytes:
-            closed.append(open_.pop(keys[i])[0])
-            members, filled = [], 0
-        members.append(i)
-        filled += size
-        if filled >= cap_bytes:
-            closed.append(members)
-            open_.pop(keys[i], None)
-        else:
-            open_[keys[i]] = (members, filled)  # a key already open keeps its place
-    closed.extend(members for members, _ in open_.values())
     buckets = []
-    for index, members in enumerate(closed):
+    for index, members in enumerate(plan):
         load = [0] * world
         segments: list[list[int]] = [[] for _ in range(world)]
         for i in sorted(members, key=lambda k: (-numels[k], -k)):
@@ -120,21 +105,9 @@ def plan_buckets(numels: list[int], keys: list[Any], element_bytes: list[int], w
             load[r] += numels[i]
             total_load[r] += numels[i]
         width = max(max(load), 1)
-        buckets.append(Bucket(index=index, params=members, segments=segments, width=width,
-                              scatter=world * width <= 2 * sum(load)))
+        buckets.append(OwnedBucket(index=index, params=tuple(members), segments=segments, width=width,
+                                   scatter=world * width <= 2 * sum(load)))
     return buckets, owner
-
-
-MIN_BUCKET_BYTES = 2**20  # below this a collective's fixed cost outweighs what overlap saves
-
-
-def bucket_bytes(total_bytes: int, cap_mb: float) -> int:
-    """The bucket size for a model of ``total_bytes``: at most ``cap_mb`` MiB (``--bucket-cap-mb``)
-    and at most a quarter of the model, so that a model smaller than four caps still has
-    buckets to send during backward (one bucket can only start after the last gradient:
-    measured 1.16x DDP's step time on the 19 MB GPT, 1.05x in 4 MiB buckets), but not below
-    1 MiB."""
-    return min(int(cap_mb * 2**20), max(total_bytes // 4, MIN_BUCKET_BYTES))
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -159,14 +132,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.params = [p for g in self.param_groups for p in g["params"]]
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         rank = backend.rank
-        numels, element_bytes = [p.numel() for p in self.params], [p.element_size() for p in self.params]
-        self.buckets, self.owner = plan_buckets(
-            numels, [(p.dtype, p.device) for p in self.params], element_bytes, backend.size,
-            bucket_bytes(sum(n * e for n, e in zip(numels, element_bytes)), bucket_cap_mb))
-        self._bucket_of = {i: b for b in self.buckets for i in b.params}
-        # gradients a bucket waits for: a frozen parameter has none (an unused one, too, but
-        # that is known only when backward ends: its bucket, and those after it, start then)
-        self._expected = [sum(self.params[i].requires_grad for i in b.params) for b in self.buckets]
+        numels = [p.numel() for p in self.params]
+        sizes = [p.numel() * p.element_size() for p in self.params]
+        plan = plan_buckets(sizes, [(p.dtype, p.device) for p in self.params], bucket_bytes(sum(sizes), bucket_cap_mb))
+        self.buckets, self.owner = assign_owners(plan, numels, backend.size)
         self.mine = [i for i, o in enumerate(self.owner) if o == rank]
         groups = []
         self._group_of_local: list[int] = []
@@ -178,21 +147,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # the user's class and hyper-parameters over the owned parameters only (None: owns none)
         self.local = same_optimizer(optimizer, groups) if groups else None
         self._pending: dict[str, Any] | None = None  # a full state dict rank 0 loaded, to scatter
-        # overlap with backward: gradient hooks count arrivals and start whole buckets in order
-        self.backward_passes = backward_passes
-        self._arrivals = [0] * len(self.params)
-        self._next = 0  # the first bucket not started this step
-        self._overlapped = False  # this step, some bucket started before the last gradient
-        self.overlap = {"buckets": len(self.buckets), "replicated": sum(not b.scatter for b in self.buckets),
-                        "steps": 0, "buckets_started_in_backward": 0, "steps_overlapped": 0}
+        # overlap with backward: the engine's hooks start whole buckets, in order, as they complete
+        self.engine = BucketEngine(self.params, plan, self._start, backward_passes)
         self.waited = 0.0  # seconds in step() waiting for collectives
-        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_accumulated)
-                       for p in self.params if p.requires_grad]
+
+    @property
+    def overlap(self) -> dict[str, int]:
+        """How many buckets there are, how many are replicated, and how often they overlapped backward."""
+        return {**self.engine.stats, "replicated": sum(not b.scatter for b in self.buckets)}
 
     def _index(self, p: torch.Tensor) -> int:
         return self._index_of[id(p)]
 
-    def _slots(self, bucket: Bucket) -> Iterator[tuple[int, torch.Tensor, int]]:
+    def _slots(self, bucket: OwnedBucket) -> Iterator[tuple[int, torch.Tensor, int]]:
         """(owner, parameter, offset in the bucket's padded flat buffer), owner by owner."""
         for r, seg in enumerate(bucket.segments):
             at = r * bucket.width
@@ -200,7 +167,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 yield r, self.params[i], at
                 at += self.params[i].numel()
 
-    def _own_slots(self, bucket: Bucket) -> Iterator[tuple[torch.Tensor, int]]:
+    def _own_slots(self, bucket: OwnedBucket) -> Iterator[tuple[torch.Tensor, int]]:
         """(parameter, offset in this rank's segment) for the parameters it owns in ``bucket``."""
         at = 0
         for i in bucket.segments[self.backend.rank]:
@@ -209,36 +176,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def remove_hooks(self) -> None:
         """Stop watching the parameters' gradients (the optimizer is being discarded)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        self.engine.remove()
 
     # -- the step, in three collective parts ---------------------------------------------
-    def _gradient_accumulated(self, p: torch.Tensor) -> None:
-        """Gradient hook: a parameter's gradient for this step is complete after
-        ``backward_passes`` arrivals; start every complete bucket that is next in order."""
-        i = self._index(p)
-        self._arrivals[i] += 1
-        bucket = self._bucket_of[i]
-        if self._arrivals[i] == self.backward_passes:
-            bucket.ready += 1
-        elif self._arrivals[i] > self.backward_passes and bucket.wait is not None:
-            bucket.stale = True  # started with a gradient that has grown since
-        started = self._start_ready()
-        if started and self._next < len(self.buckets):
-            self._overlapped = True  # gradients still to come: this one overlaps them
-        self.overlap["buckets_started_in_backward"] += started
-
-    def _start_ready(self) -> int:
-        started = 0
-        while self._next < len(self.buckets) and self.buckets[self._next].ready >= self._expected[self._next]:
-            self._start(self.buckets[self._next])
-            self._next += 1
-            started += 1
-        return started
-
-    def _start(self, bucket: Bucket) -> None:
-        """Copy the bucket's gradients (zeros where none) into one buffer and start its collective."""
+    def _start(self, b: int) -> Wait:
+        """Copy bucket ``b``'s gradients (zeros where none) into one buffer and start its collective."""
+        bucket = self.buckets[b]
         first = self.params[bucket.params[0]]
         name = f"zero.{bucket.index}"
         if bucket.scatter:
@@ -246,27 +189,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for _, p, at in self._slots(bucket):
                 if p.grad is not None:
                     flat[at:at + p.numel()].copy_(p.grad.reshape(-1))
-            bucket.wait = self.backend.start_reduce_scatter_mean(flat, name)
-        else:
-            flat = torch.cat([self.params[i].grad.reshape(-1) if self.params[i].grad is not None
-                              else torch.zeros(self.params[i].numel(), dtype=first.dtype, device=first.device)
-                              for i in bucket.params])
-            bucket.wait = self.backend.start_allreduce_mean(flat, name)
-        bucket.stale = False
+            return self.backend.start_reduce_scatter_mean(flat, name)
+        flat = torch.cat([self.params[i].grad.reshape(-1) if self.params[i].grad is not None
+                          else torch.zeros(self.params[i].numel(), dtype=first.dtype, device=first.device)
+                          for i in bucket.params])
+        return self.backend.start_allreduce_mean(flat, name)
 
     def reduce_gradients(self) -> None:
-        """Wait for every bucket (starting those backward did not): this rank's parameters get
-        the averaged gradients, the rest none."""
+        """Wait for every bucket (the engine starts those backward did not): this rank's
+        parameters get the averaged gradients, the rest none."""
         rank = self.backend.rank
-        for bucket in self.buckets:
-            if bucket.wait is not None and bucket.stale:
-                bucket.wait()  # every rank started it: let it finish, then send the grown gradients
-                self._start(bucket)
-            elif bucket.wait is None:
-                self._start(bucket)
-        for bucket in self.buckets:
-            assert bucket.wait is not None
-            out = bucket.wait()
+        for bucket, out in zip(self.buckets, self.engine.finish()):
             if bucket.scatter:  # out is this rank's segment
                 for p, at in self._own_slots(bucket):
                     p.grad = out[at:at + p.numel()].view_as(p)
@@ -277,25 +210,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     if self.owner[i] == rank:
                         p.grad = out[at:at + p.numel()].view_as(p).clone()
                     at += p.numel()
-            bucket.wait = None
         for i, p in enumerate(self.params):
             if self.owner[i] != rank:
                 p.grad = None  # ZeRO-2: a rank keeps only the gradients it steps
-        self.overlap["steps"] += 1
-        self.overlap["steps_overlapped"] += self._overlapped
-        self._next_step()
-
-    def _next_step(self) -> None:
-        """Forget this step's buckets. One still in flight (a loop that called ``zero_grad``
-        without stepping, say to skip a non-finite loss) is waited for and its result dropped:
-        every rank started it, so every rank must finish it."""
-        for bucket in self.buckets:
-            if bucket.wait is not None:
-                bucket.wait()
-            bucket.wait, bucket.ready, bucket.stale = None, 0, False
-        self._arrivals = [0] * len(self.params)
-        self._next = 0
-        self._overlapped = False
 
     def owned_grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the reduced gradients (collective: squares summed over ranks)."""
@@ -333,7 +250,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         bucket, one broadcast from the owner per parameter of a replicated one, all started
         before the first is waited for."""
         rank = self.backend.rank
-        waits: list[tuple[Bucket, Callable[[], torch.Tensor]]] = []
+        waits: list[tuple[OwnedBucket, Callable[[], torch.Tensor]]] = []
         with torch.no_grad():
             for bucket in self.buckets:
                 if bucket.scatter:
@@ -370,7 +287,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._next_step()
+        self.engine.reset()  # a skipped step: finish and drop what is in flight
         for p in self.params:
             if set_to_none:
                 p.grad = None

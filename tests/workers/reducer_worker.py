@@ -12,7 +12,7 @@ import horovod.torch as hvd
 import torch
 from torch import nn
 
-from hvdkit.backends.buckets import bucketed_optimizer
+from hvdkit.backends.hvd_reducer import bucketed_optimizer
 
 MICRO = 4  # samples per rank per micro-batch
 
