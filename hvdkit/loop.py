@@ -33,7 +33,6 @@ from torch.utils.data import DataLoader, Dataset
 from . import state as states_mod
 from .asha import AshaTrial
 from .backends import Backend, create_backend
-from .backends.zero import ShardedOptimizer
 from .checkpoint import CheckpointManager
 from .config import TrainConfig
 from .data import SampleSeeded, ShardSampler, all_labels, open_datasets, per_rank_batch_size, unwrap_dataset
@@ -771,9 +770,10 @@ def _report_done(run: _Run) -> None:
     """Check that every rank holds the same weights, print the summary, write metrics."""
     backend, result, cfg = run.backend, run.result, run.cfg
     backend.sync_buffers(run.model)  # rank 0's BatchNorm statistics, as the checkpoint holds
-    result.memory = backend.gather_objects(rank_memory(backend.unwrap(run.model), run.optimizer))
-    if isinstance(run.optimizer, ShardedOptimizer):
-        result.shard_overlap = dict(run.optimizer.overlap)
+    result.memory = backend.gather_objects(rank_memory(backend, run.model, run.optimizer))
+    report = backend.parallelism.report()
+    if report is not None:
+        result.shard_overlap = report
     digests = backend.gather_objects(param_digest(backend.replica_state_dict(run.model)))
     result.param_digest = digests[0]
     result.history = run.progress.history

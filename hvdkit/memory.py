@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import resource
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .backends.zero import ShardedOptimizer
+if TYPE_CHECKING:
+    from .backends.base import Backend
 
 __all__ = ["rank_memory"]
 
@@ -33,15 +34,12 @@ def _nbytes(tensors: Any) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def rank_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """This rank's ``params``, ``grads`` and ``optimizer_state`` bytes and ``peak_rss`` bytes."""
+def rank_memory(backend: Backend, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's ``params``, ``grads`` and ``optimizer_state`` bytes and ``peak_rss`` bytes
+    (what its parallelism keeps between steps: ZeRO, the owned part; FSDP, local shards)."""
+    model = backend.unwrap(model)
     params = list(model.parameters())
-    if isinstance(optimizer, ShardedOptimizer):  # the owned part: its state, and its gradients,
-        inner = optimizer.local                  # which are all that survive the reduction
-        trainable = [optimizer.params[i] for i in optimizer.mine if optimizer.params[i].requires_grad]
-    else:
-        inner, trainable = optimizer, [p for p in params if p.requires_grad]
-    state = [] if inner is None else [v for s in inner.state.values() for v in s.values()]
+    trainable, state = backend.parallelism.held(model, optimizer)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     return {"params": _nbytes(params), "grads": _nbytes(trainable),
             "optimizer_state": _nbytes(state), "peak_rss": int(peak)}

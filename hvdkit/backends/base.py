@@ -13,10 +13,13 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import nn
 
-from ..config import BackendConfig
+from ..config import BackendConfig, DDPOptions
 from ..environments import usable_cores
 from ..errors import ConfigError, HvdkitError
-from .zero import ShardedOptimizer
+from .fsdp import FullyShardedParallelism
+from .parallelism import Parallelism, Replicated, to_cpu
+from .traits import TRAITS
+from .zero import ZeroParallelism
 
 __all__ = ["Backend", "ElasticLoop", "share_node_cores", "to_cpu", "clip_gradients"]
 
@@ -29,15 +32,9 @@ def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.T
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
-def to_cpu(obj: Any) -> Any:
-    """Copy every tensor in a nested structure to CPU (so it pickles without CUDA)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj
+# --shard's values and the strategy each chooses (hvdkit.backends.parallelism)
+PARALLELISMS: dict[str, type[Parallelism]] = {cls.shard: cls for cls in (Replicated, ZeroParallelism,
+                                                                          FullyShardedParallelism)}
 
 
 def share_node_cores(hosts: list[str]) -> int:
@@ -69,10 +66,14 @@ class ElasticLoop(Protocol):
 
 
 class Backend(ABC):
-    """Data-parallel backend: process identity, model wrapping, and collectives.
+    """Data-parallel backend: a communicator (process identity and collectives) holding the
+    parallelism that ``wrap`` chooses (:mod:`hvdkit.backends.parallelism`).
 
     Lifecycle: construct (initialises the communication library), ``wrap`` the
     model and optimizer once, ``broadcast_state`` from rank 0, train, ``shutdown``.
+    A subclass implements the collectives and the replicated primitives (``wrap_replicated``,
+    and where its library differs ``accumulate_replicated``, ``step_replicated``,
+    ``broadcast_replicated_optimizer``, ``broadcast_parameters``).
     """
 
     name: str = "base"
@@ -83,10 +84,20 @@ class Backend(ABC):
         # Seconds this process's training thread has waited for reduced gradients: the part of
         # communication that compute did not hide (the loop reports it per epoch as a share).
         self.comm_wait = 0.0
-        # False where the wait cannot be told apart from compute (FSDP2 waits inside backward):
-        # the epoch line then says "not measured" instead of a 0% that would be a guess
-        self.comm_wait_measured = True
         self._unsynced = 0  # micro-batches since the last sync=True (see accumulate)
+        self.parallelism: Parallelism = Replicated(self)  # chosen again, from config.shard, in wrap()
+
+    @property
+    def comm_wait_measured(self) -> bool:
+        """False where the wait cannot be told apart from compute (FSDP2 waits inside
+        backward): the epoch line then says "not measured" instead of a 0% that would be a guess."""
+        return self.parallelism.comm_wait_measured
+
+    @property
+    def bucket_cap_mb(self) -> float:
+        """``--bucket-cap-mb`` from this backend's own options (ZeRO's buckets use it too)."""
+        section = TRAITS[self.name].options
+        return float(getattr(self.config, section).bucket_cap_mb if section else DDPOptions.bucket_cap_mb)
 
     # -- identity ---------------------------------------------------------------
     @property
@@ -129,11 +140,19 @@ class Backend(ABC):
         return torch.get_num_threads()
 
     # -- model ------------------------------------------------------------------
-    @abstractmethod
     def wrap(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Move ``model`` to :attr:`device` and make gradients data-parallel."""
+        """Move ``model`` to :attr:`device`, choose the parallelism from ``config.shard`` (once)
+        and let it make the gradients data-parallel."""
+        self.parallelism = PARALLELISMS[self.config.shard](self)
+        return self.parallelism.wrap(model.to(self.device), optimizer)
+
+    def wrap_replicated(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Replicated: this backend's own reducer (DDP's wrapper, Horovod's optimizer)."""
+        return model, optimizer
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain module inside whatever ``wrap`` returned (for ``state_dict``)."""
@@ -155,44 +174,45 @@ class Backend(ABC):
         return self.unwrap(model)
 
     def eval_batches(self, loader: Iterable[Any], shard: Sized) -> Iterator[tuple[Any, int]]:
-        """This rank's evaluation batches with their weight (1 each). A backend whose forward
-        pass is collective overrides this so that every rank runs as many batches."""
-        for batch in loader:
-            yield batch, 1
+        """This rank's evaluation batches with their weight (1 each; FSDP, whose forward pass
+        is collective, pads so that every rank runs as many)."""
+        return self.parallelism.eval_batches(loader, shard)
 
     # -- state, as checkpoints and elastic commits see it (hvdkit.state) --------------------
     def module_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """The whole model's ``state_dict`` (unwrapped; a sharded backend gathers it)."""
-        return self.unwrap(model).state_dict()
+        """The whole model's ``state_dict`` (unwrapped; gathered where sharded)."""
+        return self.parallelism.module_state_dict(model)
 
     def replica_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """Collective where sharded: the whole model's state as this rank's replica holds it
         (compared across ranks at the end of a run). Where no rank holds a replica
         (:meth:`replicates_parameters` false) only rank 0 gets the gathered whole."""
-        return self.unwrap(model).state_dict()
+        return self.parallelism.replica_state_dict(model)
 
     def replicates_parameters(self, model: nn.Module) -> bool:
         """False when each rank holds only part of the parameters (FSDP): then "identical on
         every rank" holds by construction and only rank 0's gathered digest is reported."""
-        return True
+        return self.parallelism.replicates_parameters
 
     def load_module_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`module_state_dict` on this rank."""
-        self.unwrap(model).load_state_dict(state)
+        """Inverse of :meth:`module_state_dict` on this rank (where sharded, rank 0 holds it
+        until :meth:`broadcast_state` scatters it)."""
+        self.parallelism.load_module_state_dict(model, state)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The whole optimizer's ``state_dict`` (a sharded backend gathers it)."""
-        return optimizer.state_dict()
+        """The whole optimizer's ``state_dict`` (gathered where sharded)."""
+        return self.parallelism.optimizer_state_dict(optimizer)
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Inverse of :meth:`optimizer_state_dict` on this rank."""
-        optimizer.load_state_dict(state)
+        self.parallelism.load_optimizer_state_dict(optimizer, state)
 
     def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int = 0) -> None:
-        """Collective: every rank takes ``root``'s optimizer state (as one object)."""
-        if isinstance(optimizer, ShardedOptimizer):  # each rank takes the part it owns
-            optimizer.scatter_pending(root)
-            return
+        """Collective: every rank takes ``root``'s optimizer state (where sharded, its part)."""
+        self.parallelism.broadcast_optimizer(optimizer, root)
+
+    def broadcast_replicated_optimizer(self, optimizer: torch.optim.Optimizer, root: int = 0) -> None:
+        """Replicated: every rank takes ``root``'s whole optimizer state (as one object)."""
         state = self.broadcast_object(to_cpu(optimizer.state_dict()) if self.rank == root else None, root)
         if self.rank != root and state is not None:
             optimizer.load_state_dict(state)
@@ -216,12 +236,12 @@ class Backend(ABC):
                 f"with sync=True (a micro-batch left over at an epoch's end carries into the next step)",
                 f"run whole groups of {k} per epoch: len(loader) // {k} * {k} micro-batches, as hvdkit train does")
         self._unsynced = 0 if sync else micro
-        with self._accumulate(model, sync):
+        with self.parallelism.accumulate(model, sync):
             yield
 
     @contextlib.contextmanager
-    def _accumulate(self, model: nn.Module, sync: bool) -> Iterator[None]:
-        """The backend's part of :meth:`accumulate` (DDP: ``no_sync`` unless ``sync``)."""
+    def accumulate_replicated(self, model: nn.Module, sync: bool) -> Iterator[None]:
+        """Replicated: the backend's part of :meth:`accumulate` (DDP: ``no_sync`` unless ``sync``)."""
         yield
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer,
@@ -232,16 +252,16 @@ class Backend(ABC):
 
         DDP has reduced the (scaled) gradients during backward, so the usual order is right:
         ``scaler.unscale_``, ``clip_grad_norm_``, ``scaler.step``/``update``. Horovod
-        overrides this: it reduces inside ``optimizer.step()``, so unscaling and clipping must
-        wait for ``synchronize()``. ``--shard optimizer`` (either backend): reduce-scatter,
-        clip the owned reduced gradients by the global norm, step, all-gather (no scaler: the
-        config refuses fp16 with sharding).
+        overrides :meth:`step_replicated`: it reduces inside ``optimizer.step()``, so unscaling
+        and clipping must wait for ``synchronize()``. ``--shard optimizer`` (either backend):
+        reduce-scatter, clip the owned reduced gradients by the global norm, step, all-gather
+        (no scaler: the config refuses fp16 with sharding).
         """
-        if isinstance(optimizer, ShardedOptimizer):
-            waited = optimizer.waited
-            optimizer.step(clip_grad_norm=clip_grad_norm)
-            self.comm_wait += optimizer.waited - waited
-            return
+        self.parallelism.optimizer_step(optimizer, scaler, clip_grad_norm)
+
+    def step_replicated(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None,
+                        clip_grad_norm: float | None = None) -> None:
+        """Replicated (and FSDP): unscale, clip, step, as the gradients are already reduced."""
         if clip_grad_norm:
             if scaler is not None:
                 scaler.unscale_(optimizer)
@@ -306,11 +326,16 @@ class Backend(ABC):
         return timeline
 
     # -- collectives --------------------------------------------------------------
-    @abstractmethod
     def broadcast_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, root: int = 0
     ) -> None:
-        """Overwrite every rank's parameters, buffers and optimizer state with ``root``'s."""
+        """Overwrite every rank's parameters, buffers and optimizer state with ``root``'s (where
+        sharded, each rank's part of them)."""
+        self.parallelism.broadcast_state(model, optimizer, root)
+
+    @abstractmethod
+    def broadcast_parameters(self, model: nn.Module, root: int = 0) -> None:
+        """Overwrite every rank's whole ``state_dict`` (parameters and buffers) with ``root``'s."""
 
     @abstractmethod
     def broadcast_object(self, obj: T, root: int = 0) -> T:

@@ -13,7 +13,7 @@ import datetime
 import gc
 import inspect
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -25,9 +25,7 @@ from ..config import BackendConfig
 from ..environments import ClusterEnvironment, detect_environment
 from ..errors import HvdkitError, first_line
 from ..log import debug
-from . import fsdp
 from .base import Backend, to_cpu
-from .zero import ShardedOptimizer
 
 T = TypeVar("T")
 
@@ -113,20 +111,10 @@ class DDPBackend(Backend):
                 "master_addr": self.env.main_address, "master_port": self.env.main_port,
                 "process_group": self.pg_backend}
 
-    def wrap(
+    def wrap_replicated(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         opts = self.config.ddp
-        model = model.to(self.device)  # keeps Parameter identity, so optimizer stays valid
-        if self.config.shard == "optimizer":  # ZeRO-1/2: gradients reduce-scattered by the optimizer
-            return model, ShardedOptimizer(optimizer, self, bucket_cap_mb=opts.bucket_cap_mb,
-                                           backward_passes=self.config.accumulation_steps)
-        if self.config.shard == "full":
-            # rank 0's whole weights first: once sharded, a "whole model" is every rank's part
-            # of its own initialisation, and no rank holds rank 0's any more
-            self.broadcast_state(model)
-            self.comm_wait_measured = False  # FSDP2's waits are inside backward (see _accumulate)
-            return fsdp.shard_model(model, optimizer, self.device)
         ddp = DistributedDataParallel(
             model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -167,12 +155,8 @@ class DDPBackend(Backend):
             yield
 
     @contextlib.contextmanager
-    def _accumulate(self, model: nn.Module, sync: bool) -> Iterator[None]:
-        if fsdp.is_sharded(model):  # FSDP2 reduce-scatters in backward unless told not to
-            # (its exposed wait is inside backward, not separated: comm_wait stays 0 here)
-            model.set_requires_gradient_sync(sync)  # type: ignore[operator]
-            yield
-        elif not isinstance(model, DistributedDataParallel):
+    def accumulate_replicated(self, model: nn.Module, sync: bool) -> Iterator[None]:
+        if not isinstance(model, DistributedDataParallel):
             yield
         elif sync:
             self._last_gradient = None
@@ -183,72 +167,10 @@ class DDPBackend(Backend):
             with model.no_sync():
                 yield
 
-    # -- --shard full: FSDP2 gathers and scatters whole states (hvdkit.backends.fsdp) -------
-    def module_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        return fsdp.full_model_state(model) if fsdp.is_sharded(model) else super().module_state_dict(model)
-
-    def replica_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        # whole on rank 0 only: gathering it on every rank would need the memory sharding saves
-        return fsdp.full_model_state(model) if fsdp.is_sharded(model) else super().replica_state_dict(model)
-
-    def replicates_parameters(self, model: nn.Module) -> bool:
-        return not fsdp.is_sharded(model)
-
-    def load_module_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
-        if fsdp.is_sharded(model):
-            fsdp.hold(model, state)  # rank 0 alone: scattered by broadcast_state
-        else:
-            super().load_module_state_dict(model, state)
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        model = fsdp.model_of(optimizer)
-        return fsdp.full_optimizer_state(model, optimizer) if model is not None \
-            else super().optimizer_state_dict(optimizer)
-
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        if fsdp.model_of(optimizer) is not None:
-            fsdp.hold(optimizer, state)
-        else:
-            super().load_optimizer_state_dict(optimizer, state)
-
-    def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int = 0) -> None:
-        model = fsdp.model_of(optimizer)
-        if model is not None:
-            fsdp.scatter_optimizer_state(model, optimizer, self.rank, root)
-        else:
-            super().broadcast_optimizer(optimizer, root)
-
-    def eval_batches(self, loader: Iterable[Any], shard: Sized) -> Iterator[tuple[Any, int]]:
-        """FSDP2's forward is collective: a rank with fewer batches runs its first one again
-        with weight 0, until every rank has run as many."""
-        if self.config.shard != "full":
-            yield from super().eval_batches(loader, shard)
-            return
-        mine = len(loader)  # type: ignore[arg-type]
-        most = int(self.allreduce_metric(float(mine), "max"))
-        first = None
-        for batch in loader:
-            first = batch if first is None else first
-            yield batch, 1
-        for _ in range(most - mine):
-            if first is None:
-                raise HvdkitError("a rank has no validation batch to keep FSDP's collective forward "
-                                  "in step with the others", "use at least one validation sample per rank")
-            yield first, 0
-
-    def broadcast_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, root: int = 0
-    ) -> None:
-        if fsdp.is_sharded(model):
-            fsdp.scatter_model_state(model, self.rank, root)
-            if optimizer is not None:
-                self.broadcast_optimizer(optimizer, root)
-            return
+    def broadcast_parameters(self, model: nn.Module, root: int = 0) -> None:
         with torch.no_grad():
             for tensor in self.unwrap(model).state_dict().values():
                 dist.broadcast(tensor, src=root)
-        if optimizer is not None:
-            self.broadcast_optimizer(optimizer, root)
 
     def sync_buffers(self, model: nn.Module, root: int = 0) -> None:
         with torch.no_grad():

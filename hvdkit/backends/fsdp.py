@@ -15,27 +15,28 @@ the state one tensor at a time onto rank 0's CPU (torch's ``get_*_state_dict`` w
 ``full_state_dict`` and ``cpu_offload``), the optimizer in ``torch.optim``'s own layout
 (parameters by index, not by name), so a sharded run resumes unsharded and the other way
 round, at any world size. Loading is the reverse: rank 0 *holds* what it read
-(:func:`hold`), and the broadcast that follows every restore scatters it
-(``broadcast_from_rank0``).
+(:meth:`FullyShardedParallelism.load_module_state_dict`), and the broadcast that follows
+every restore scatters it (``broadcast_from_rank0``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterable, Iterator, Sized
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..errors import HvdkitError
+from .parallelism import Parallelism
 from .zero import same_optimizer
 
-__all__ = ["shard_model", "is_sharded", "model_of", "hold", "full_model_state", "full_optimizer_state",
+__all__ = ["FullyShardedParallelism", "shard_model", "full_model_state", "full_optimizer_state",
            "scatter_model_state", "scatter_optimizer_state"]
 
 MIN_UNIT_PARAMS = 100_000  # a block smaller than this is gathered with its parent
-# weak keys: an optimizer or model that is gone takes its entry (and what it holds) with it
-_MODEL_OF: weakref.WeakKeyDictionary[torch.optim.Optimizer, nn.Module] = weakref.WeakKeyDictionary()
-_HELD: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()  # what rank 0 read
 
 
 def _units(model: nn.Module) -> list[nn.Module]:
@@ -65,25 +66,7 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer,
     params = dict(model.named_parameters())
     rebuilt = same_optimizer(optimizer, [{**hyper, "params": [params[n] for n in group]}
                                          for group, hyper in groups])
-    _MODEL_OF[rebuilt] = model
     return model, rebuilt
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """True for a module :func:`shard_model` sharded."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
-def model_of(optimizer: torch.optim.Optimizer) -> nn.Module | None:
-    """The sharded model an optimizer from :func:`shard_model` steps, else None."""
-    return _MODEL_OF.get(optimizer)
-
-
-def hold(obj: Any, state: dict[str, Any]) -> None:
-    """Keep ``state`` (read on rank 0) until the broadcast that follows scatters it."""
-    _HELD[obj] = state
 
 
 def _options(**kw: Any) -> Any:
@@ -139,14 +122,14 @@ def _only_rank0(root: int) -> None:
                          f"not from rank {root}; HINT: load the checkpoint on rank 0")
 
 
-def scatter_model_state(model: nn.Module, rank: int, root: int = 0) -> None:
-    """Collective: every rank takes its shards of the state rank 0 holds (a restore), or of
+def scatter_model_state(model: nn.Module, rank: int, held: dict[str, Any] | None, root: int = 0) -> None:
+    """Collective: every rank takes its shards of the state rank 0 ``held`` (a restore), or of
     rank 0's current weights when it holds none (a fresh start: all begin from rank 0's)."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     _only_rank0(root)
     is_root = rank == root
-    held = _HELD.pop(model, None) if is_root else None
+    held = held if is_root else None
     _reshard(model)
     if not _root_holds(is_root, held):
         held = full_model_state(model)  # collective; whole on rank 0 only
@@ -163,14 +146,15 @@ def _root_holds(is_root: bool, state: Any) -> bool:
     return bool(flag[0])
 
 
-def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, root: int = 0) -> None:
-    """Collective: every rank takes its shards of the optimizer state rank 0 holds (a resume);
-    nothing when it holds none (a fresh optimizer has no state to agree on)."""
+def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+                            held: dict[str, Any] | None, root: int = 0) -> None:
+    """Collective: every rank takes its shards of the optimizer state rank 0 ``held`` (a
+    resume); nothing when it holds none (a fresh optimizer has no state to agree on)."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     _only_rank0(root)
     is_root = rank == root
-    held = _HELD.pop(optimizer, None) if is_root else None
+    held = held if is_root else None
     if not _root_holds(is_root, held):
         return
     _reshard(model)
@@ -182,3 +166,72 @@ def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, 
     else:
         state = {}
     set_optimizer_state_dict(model, optimizer, state, options=_options(broadcast_from_rank0=True))  # type: ignore[arg-type]
+
+
+class FullyShardedParallelism(Parallelism):
+    """``--shard full``: FSDP2 units; whole states gathered on rank 0 and scattered from it."""
+
+    shard = "full"
+    replicates_parameters = False  # "identical on every rank" holds by construction
+    comm_wait_measured = False     # FSDP2 waits inside backward: not told apart from compute
+
+    def __init__(self, backend: Any) -> None:
+        super().__init__(backend)
+        self.model: nn.Module | None = None
+        # what rank 0 read in a restore, until the broadcast that follows scatters it; a
+        # weak map so that a model or optimizer that is gone takes what it held with it
+        self._held: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        # rank 0's whole weights first: once sharded, a "whole model" is every rank's part
+        # of its own initialisation, and no rank holds rank 0's any more
+        self.backend.broadcast_parameters(model, 0)
+        self.model, rebuilt = shard_model(model, optimizer, self.backend.device)
+        return self.model, rebuilt
+
+    def _model(self) -> nn.Module:
+        assert self.model is not None, "wrap() comes first"
+        return self.model
+
+    def accumulate(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[None]:
+        model.set_requires_gradient_sync(sync)  # type: ignore[operator]  # FSDP2 reduce-scatters in backward unless told not to
+        return contextlib.nullcontext()
+
+    def module_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        return full_model_state(model)
+
+    def replica_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        # whole on rank 0 only: gathering it on every rank would need the memory sharding saves
+        return full_model_state(model)
+
+    def load_module_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        self._held[model] = state  # rank 0 alone: scattered by broadcast_state
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return full_optimizer_state(self._model(), optimizer)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        self._held[optimizer] = state
+
+    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, root: int) -> None:
+        scatter_model_state(model, self.backend.rank, self._held.pop(model, None), root)
+        if optimizer is not None:
+            self.broadcast_optimizer(optimizer, root)
+
+    def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int) -> None:
+        scatter_optimizer_state(self._model(), optimizer, self.backend.rank, self._held.pop(optimizer, None), root)
+
+    def eval_batches(self, loader: Iterable[Any], shard: Sized) -> Iterator[tuple[Any, int]]:
+        """FSDP2's forward is collective: a rank with fewer batches runs its first one again
+        with weight 0, until every rank has run as many."""
+        mine = len(loader)  # type: ignore[arg-type]
+        most = int(self.backend.allreduce_metric(float(mine), "max"))
+        first = None
+        for batch in loader:
+            first = batch if first is None else first
+            yield batch, 1
+        for _ in range(most - mine):
+            if first is None:
+                raise HvdkitError("a rank has no validation batch to keep FSDP's collective forward "
+                                  "in step with the others", "use at least one validation sample per rank")
+            yield first, 0

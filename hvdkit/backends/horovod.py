@@ -20,7 +20,6 @@ from ..environments import detect_environment
 from ..errors import BackendUnavailableError, ConfigError, HvdkitError, LauncherEnvError
 from .base import Backend, ElasticLoop, clip_gradients
 from .hvd_reducer import bucketed_optimizer
-from .zero import ShardedOptimizer
 
 T = TypeVar("T")
 
@@ -132,15 +131,10 @@ class HorovodBackend(Backend):
             self.config.horovod.op
         ]
 
-    def wrap(
+    def wrap_replicated(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         opts = self.config.horovod
-        model = model.to(self.device)
-        if self.config.shard == "optimizer":  # ZeRO-1/2 on hvd.reducescatter/allgather
-            self._optimizer = ShardedOptimizer(optimizer, self, bucket_cap_mb=opts.bucket_cap_mb,
-                                               backward_passes=self.config.accumulation_steps)
-            return model, self._optimizer
         compression = self.hvd.Compression.fp16 if opts.compression == "fp16" else self.hvd.Compression.none
         common = dict(named_parameters=list(model.named_parameters()), compression=compression,
                       backward_passes_per_step=self.config.accumulation_steps, op=self._op(),
@@ -210,9 +204,9 @@ class HorovodBackend(Backend):
     def profiler_trace_path(self, timeline: str | None) -> str | None:
         return None  # HOROVOD_TIMELINE, set before hvd.init(), writes Horovod's own timeline
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer,
-                       scaler: torch.amp.GradScaler | None = None,
-                       clip_grad_norm: float | None = None) -> None:
+    def step_replicated(self, optimizer: torch.optim.Optimizer,
+                        scaler: torch.amp.GradScaler | None = None,
+                        clip_grad_norm: float | None = None) -> None:
         """Horovod's documented order: reduce, then unscale and clip, then step without
         reducing again.
 
@@ -222,9 +216,6 @@ class HorovodBackend(Backend):
         this rank's gradients; with clipping, each rank clipping a different norm and the
         reduced gradient not clipped at all.
         """
-        if isinstance(optimizer, ShardedOptimizer):
-            super().optimizer_step(optimizer, scaler, clip_grad_norm)
-            return
         started = time.perf_counter()
         if self.config.horovod.op == "adasum":
             # Adasum reduces the update inside step() (no scaler and no clipping: the config
@@ -248,7 +239,7 @@ class HorovodBackend(Backend):
         if scaler is not None:
             scaler.update()
 
-    def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int = 0) -> None:
+    def broadcast_replicated_optimizer(self, optimizer: torch.optim.Optimizer, root: int = 0) -> None:
         """``hvd.broadcast_optimizer_state``, tensor by tensor, when ``root`` has state.
 
         It initialises an *empty* state with a zero-gradient step, which moves weights under
@@ -256,9 +247,6 @@ class HorovodBackend(Backend):
         so it runs only when root really has state (a resume), and the parameters must be
         broadcast after it (:func:`hvdkit.state.broadcast` orders them so).
         """
-        if isinstance(optimizer, ShardedOptimizer):
-            super().broadcast_optimizer(optimizer, root)
-            return
         root_has_state = self.broadcast_object(
             bool(optimizer.state_dict()["state"]) if self.rank == root else None, root)
         if root_has_state:
@@ -271,11 +259,7 @@ class HorovodBackend(Backend):
             with skip():
                 self.hvd.broadcast_optimizer_state(optimizer, root_rank=root)
 
-    def broadcast_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, root: int = 0
-    ) -> None:
-        if optimizer is not None:
-            self.broadcast_optimizer(optimizer, root)
+    def broadcast_parameters(self, model: nn.Module, root: int = 0) -> None:
         self.hvd.broadcast_parameters(self.unwrap(model).state_dict(), root_rank=root)
 
     def sync_buffers(self, model: nn.Module, root: int = 0) -> None:

@@ -30,14 +30,7 @@ class LocalBackend(Backend):
     def local_rank(self) -> int:
         return 0
 
-    def wrap(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer
-    ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        return model.to(self.device), optimizer
-
-    def broadcast_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, root: int = 0
-    ) -> None:
+    def broadcast_parameters(self, model: nn.Module, root: int = 0) -> None:
         return None
 
     def sync_buffers(self, model: nn.Module, root: int = 0) -> None:

@@ -34,6 +34,7 @@ gather, and the state's standard layout. The backend supplies the collectives
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -41,13 +42,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from .buckets import BucketEngine, Wait, bucket_bytes, plan_buckets
+from .parallelism import Communicator, Parallelism, to_cpu
 
 if TYPE_CHECKING:
     from .base import Backend
 
-__all__ = ["OwnedBucket", "ShardedOptimizer", "assign_owners", "same_optimizer"]
+__all__ = ["OwnedBucket", "ShardedOptimizer", "ZeroParallelism", "assign_owners", "same_optimizer"]
 
 
 def same_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
@@ -119,7 +122,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     or more (a loop that accumulates without saying so) are still right: what has not started,
     or has grown since, is reduced in :meth:`reduce_gradients`."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, backend: Backend, bucket_cap_mb: float = 25.0,
+    def __init__(self, optimizer: torch.optim.Optimizer, backend: Communicator, bucket_cap_mb: float = 25.0,
                  backward_passes: int = 1) -> None:
         # no super().__init__: the wrapped optimizer's groups are this one's (no copy of params)
         self.wrapped = optimizer
@@ -298,8 +301,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """Collective: the whole optimizer's ``state_dict`` in ``torch.optim``'s layout on
         rank 0 (``{}`` elsewhere), gathered one parameter at a time from its owner."""
-        from .base import to_cpu
-
         local_index = {i: k for k, i in enumerate(self._local_order())}
         local_sd = self.local.state_dict() if self.local is not None else {"state": {}}
         state: dict[int, Any] = {}
@@ -358,3 +359,46 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.backend.rank != root:
             self._load_mine(received)
         self._pending = None
+
+
+class ZeroParallelism(Parallelism):
+    """``--shard optimizer``: whole parameters on every rank, each rank stepping and holding
+    state for the ones it owns (:class:`ShardedOptimizer`), on any backend's collectives."""
+
+    shard = "optimizer"
+
+    def __init__(self, backend: Backend) -> None:
+        super().__init__(backend)
+        self.optimizer: ShardedOptimizer | None = None
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        config = self.backend.config
+        self.optimizer = ShardedOptimizer(optimizer, self.backend, bucket_cap_mb=self.backend.bucket_cap_mb,
+                                          backward_passes=config.accumulation_steps)
+        return model, self.optimizer
+
+    def accumulate(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # the engine counts backward passes itself
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+                       clip_grad_norm: float | None) -> None:
+        """Reduce-scatter, clip the owned reduced gradients by the global norm, step, all-gather
+        (no scaler: the config refuses fp16 with sharding)."""
+        assert isinstance(optimizer, ShardedOptimizer)
+        waited = optimizer.waited
+        optimizer.step(clip_grad_norm=clip_grad_norm)
+        self.backend.comm_wait += optimizer.waited - waited
+
+    def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int) -> None:
+        assert isinstance(optimizer, ShardedOptimizer)
+        optimizer.scatter_pending(root)  # each rank takes the part it owns
+
+    def held(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The owned part: its state, and its gradients, which are all that survive the reduction."""
+        assert isinstance(optimizer, ShardedOptimizer)
+        grads = [optimizer.params[i] for i in optimizer.mine if optimizer.params[i].requires_grad]
+        local = optimizer.local
+        return grads, [] if local is None else [v for s in local.state.values() for v in s.values()]
+
+    def report(self) -> dict[str, int] | None:
+        return dict(self.optimizer.overlap) if self.optimizer is not None else None
