@@ -13,7 +13,8 @@ import torch
 from click.testing import CliRunner
 
 from helpers import assert_tree_equal, trained_state
-from hvdkit import BackendConfig, LocalBackend, build_model
+from hvdkit import BackendConfig, build_model
+from hvdkit.backends import LocalBackend
 from hvdkit.checkpoint import (
     CheckpointManager,
     Snapshot,

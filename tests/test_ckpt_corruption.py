@@ -12,7 +12,8 @@ import random
 import torch
 
 from helpers import assert_tree_equal
-from hvdkit import BackendConfig, LocalBackend, build_model
+from hvdkit import BackendConfig, build_model
+from hvdkit.backends import LocalBackend
 from hvdkit.checkpoint import CheckpointManager, read_checkpoint
 from hvdkit.progress import Progress
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from hvdkit import BackendConfig, LocalBackend, build_model
+from hvdkit import BackendConfig, build_model
+from hvdkit.backends import LocalBackend
 from hvdkit.config import TrainConfig
 from hvdkit.data import split_indices
 from hvdkit.errors import ConfigError, HvdkitError
