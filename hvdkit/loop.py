@@ -232,7 +232,7 @@ class _Run:
     log: Callable[[str], None]
     result: TrainResult
     geo: _Geometry
-    plan: LrPlan
+    lr_plan: LrPlan
     train_data: Dataset
     val_data: Dataset | None
     task: Task
@@ -249,7 +249,7 @@ class _Run:
     saved_step: int | None = None  # at most one checkpoint per step
     saved_name: str | None = None
     asha: AshaTrial | None = None
-    memory: ElasticMemory | None = None
+    elastic: ElasticMemory | None = None  # host-memory commits (elastic runs only)
     replay: str = ""  # after a roll-back: which steps are recomputed
 
     @property
@@ -357,7 +357,7 @@ class _Run:
         if flagged or (before_save and self.watch.check_now()):
             self.watch.handle(self.step, self.saved_name, self.log)
 
-    def commit(self) -> None:
+    def fold(self) -> None:
         """Collective: fold the running loss over ranks, log the samples, and (elastic) commit.
 
         Folding at the same steps in every mode keeps the epoch loss bit-identical between
@@ -413,7 +413,7 @@ def _set_up(cfg: TrainConfig, backend: Backend, log: Callable[[str], None], resu
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.factor)
     ckpt = CheckpointManager(cfg.checkpoint_dir, backend, cfg.keep_checkpoints, cfg.keep_best) \
         if cfg.checkpoint_dir else None
-    return _Run(cfg=cfg, backend=backend, log=log, result=result, geo=geo, plan=plan, train_data=train_data,
+    return _Run(cfg=cfg, backend=backend, log=log, result=result, geo=geo, lr_plan=plan, train_data=train_data,
                 val_data=val_data, task=task, model=model, optimizer=optimizer, scheduler=scheduler,
                 scaler=make_scaler(cfg.precision, backend.device),  # fp16 only; checkpointed
                 ckpt=ckpt, watch=NonFiniteWatch(backend, cfg.on_nonfinite), samples=samples,
@@ -485,7 +485,7 @@ def _enter(run: _Run) -> None:
     run.geo = geo = _geometry(cfg, size, len(run.train_data))  # type: ignore[arg-type]
     if run.master and cfg.global_batch_size not in (None, geo.global_batch):
         warn(f"global batch {cfg.global_batch_size} rounded down to {geo.global_batch}")
-    plan = run.plan
+    plan = run.lr_plan
     plan.scale = float(size * accum) if cfg.scale_lr else 1.0
     plan.warmup_steps = int(cfg.warmup_epochs * geo.steps_per_epoch)
     # cosine's horizon: the run's length (stopping early with --max-steps and resuming later
@@ -519,12 +519,12 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
     try:
         _check_data(run)
         if cfg.elastic:
-            run.memory = ElasticMemory(backend, run)  # commits in host memory: elastic runs only
+            run.elastic = ElasticMemory(backend, run)  # commits in host memory: elastic runs only
             diag(f"elastic worker rank {backend.rank} of {backend.size} (local {backend.local_rank}) host "
                  f"{backend.slot_host()} pid {os.getpid()}", every_rank=True)
             # sync, then the loop; after a lost or added worker: roll back or keep, re-sync, re-enter
             try:
-                backend.run_elastic(lambda: _loop(run, preemption), run.memory)
+                backend.run_elastic(lambda: _loop(run, preemption), run.elastic)
             except ConfigError as err:  # the same refusal on every rank: one of them says it
                 err.echo = backend.is_master
                 raise
@@ -574,28 +574,28 @@ def _at_limit(run: _Run) -> bool:
 
 
 @dataclass(frozen=True)
-class _Step:
-    """One optimizer step of an epoch, as every rank can compute it in advance."""
+class _StepShare:
+    """What one optimizer step of an epoch reads, as every rank can compute it in advance."""
 
     mine: int   # samples this rank reads (0: its shard is done, it has joined)
     total: int  # samples all ranks read
     full: bool  # every rank reads a full batch: the step may talk beyond its gradients
 
 
-def _epoch_plan(run: _Run, sampler: ShardSampler) -> list[_Step]:
+def _epoch_steps(run: _Run, sampler: ShardSampler) -> list[_StepShare]:
     """The steps left in this epoch. Even shards: equal full steps until less than a global
     batch is left (dropped). ``--uneven``: every sample; lower ranks may have one sample
     more and the last batch of a rank may be partial."""
     geo, size = run.geo, run.backend.size
     if not run.cfg.uneven:
         n = (run.epoch_samples - run.progress.samples_in_epoch) // geo.global_batch
-        return [_Step(geo.global_batch // size, geo.global_batch, True)] * n
+        return [_StepShare(geo.global_batch // size, geo.global_batch, True)] * n
     lengths = [sampler.shard_length(r) for r in range(size)]
-    plan = []
+    steps = []
     for k in range(-(-lengths[0] // geo.batch)):  # rank 0's shard is the longest
         counts = [min(geo.batch, max(0, n - k * geo.batch)) for n in lengths]
-        plan.append(_Step(counts[run.backend.rank], sum(counts), all(c == geo.batch for c in counts)))
-    return plan
+        steps.append(_StepShare(counts[run.backend.rank], sum(counts), all(c == geo.batch for c in counts)))
+    return steps
 
 
 def _one_epoch(run: _Run, sampler: ShardSampler, preemption: Preemption,
@@ -606,13 +606,13 @@ def _one_epoch(run: _Run, sampler: ShardSampler, preemption: Preemption,
     loader = DataLoader(run.train_data, batch_size=geo.batch, sampler=sampler, drop_last=not cfg.uneven,
                         num_workers=cfg.num_workers, pin_memory=backend.device.type == "cuda")
     batches = iter(loader)
-    plan = _epoch_plan(run, sampler)
+    steps = _epoch_steps(run, sampler)
     done = 0
     run.model.train()
     # --uneven: a rank whose shard ends first leaves this block and answers the others'
     # gradient reductions with zeros until all have left (Backend.join)
     with backend.join(run.model) if cfg.uneven else contextlib.nullcontext():
-        for k, step in enumerate(plan):
+        for k, step in enumerate(steps):
             if step.mine == 0:
                 break
             hold_point("step", at=run.step + 1)  # HVDKIT_HOLD=step:N: a fault lands here (hvdkit.faults)
@@ -637,24 +637,11 @@ def _one_epoch(run: _Run, sampler: ShardSampler, preemption: Preemption,
             if agreement is None:
                 continue
             stop, nonfinite = agreement()  # the same answers on every rank
-            more = k + 1 < len(plan)  # the epoch's last step is evaluated and saved at its end
-            limit = _at_limit(run) and more
-            if more and cfg.eval_every and run.step % cfg.eval_every == 0 and not (stop or limit):
-                _evaluate(run, say=True)
-            if limit:  # the run ends here: its final held-out metrics, saved with it
-                _evaluate(run, say=True)
-            periodic = bool(cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0 and more)
-            wants_save = bool(run.ckpt and (stop or limit or periodic))
-            run.check_nonfinite(nonfinite and not run.watch.warned, before_save=wants_save)
-            if wants_save:
-                run.save()
-            preemption.check(run.step, agreed=stop)  # saved above; requeues and raises if stop
-            if limit:
+            more = k + 1 < len(steps)  # the epoch's last step is evaluated and saved at its end
+            if _after_step(run, preemption, stop, nonfinite, more):
                 return True
-            if more and run.step % cfg.commit_every == 0:
-                run.commit()
-    if done < len(plan):  # joined early: take the others' steps, then their weights
-        for step in plan[done:]:
+    if done < len(steps):  # joined early: take the others' steps, then their weights
+        for step in steps[done:]:
             run.scheduler.step()
             _advance(run, step)
     if cfg.uneven:
@@ -662,7 +649,34 @@ def _one_epoch(run: _Run, sampler: ShardSampler, preemption: Preemption,
     return False
 
 
-def _advance(run: _Run, step: _Step) -> None:
+def _after_step(run: _Run, preemption: Preemption, stop: bool, nonfinite: bool, more: bool) -> bool:
+    """Collective, after a step every rank read a full batch of: the step's tail, in this order.
+    ``stop``/``nonfinite``: what the ranks agreed on during the step; ``more``: not the epoch's
+    last step (that one is evaluated, saved and folded at the epoch's end). True when the run
+    ends here (``--max-steps``)."""
+    cfg = run.cfg
+    limit = _at_limit(run) and more
+    # 1. evaluate: every --eval-every steps, and at the limit (the run's final held-out
+    #    metrics, saved with it); not before a preemption's save, which must come fast
+    if limit or (more and cfg.eval_every and run.step % cfg.eval_every == 0 and not stop):
+        _evaluate(run, say=True)
+    # 2. the non-finite check (the agreed flag lags a step: before a save, this one is asked too)
+    periodic = bool(cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0 and more)
+    wants_save = bool(run.ckpt and (stop or limit or periodic))
+    run.check_nonfinite(nonfinite and not run.watch.warned, before_save=wants_save)
+    # 3. save, 4. preemption: requeues and raises if the ranks agreed to stop (saved above)
+    if wants_save:
+        run.save()
+    preemption.check(run.step, agreed=stop)
+    if limit:
+        return True
+    # 5. fold the running loss (and, elastic, commit to host memory)
+    if more and run.step % cfg.commit_every == 0:
+        run.fold()
+    return False
+
+
+def _advance(run: _Run, step: _StepShare) -> None:
     p = run.progress
     p.global_step += 1
     p.samples_in_epoch += step.total
@@ -738,7 +752,7 @@ def _end_epoch(run: _Run, samples_here: int, seconds: float, waited: float) -> b
     run.save()
     run.observers.saved(run, record, str(run.ckpt.directory / run.saved_name)
                         if run.ckpt is not None and run.saved_name else None)
-    run.commit()
+    run.fold()
     return go_on
 
 
