@@ -52,7 +52,7 @@ from .optim import make_optimizer
 from .precision import autocast, lowp_support, make_scaler
 from .preemption import Preempted, Preemption
 from .profiling import step_profiler
-from .progress import Progress
+from .progress import Progress, RunningLoss
 from .samplelog import SampleLog
 from .schedule import LrPlan, warmup_factor
 from .tasks import Task, check_labels, make_task, to_device
@@ -245,12 +245,15 @@ class _Run:
     samples: SampleLog | None
     observers: Observers
     progress: Progress = field(default_factory=Progress)
-    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    loss: RunningLoss = field(init=False)  # the epoch's running loss (over self.progress)
     saved_step: int | None = None  # at most one checkpoint per step
     saved_name: str | None = None
     asha: AshaTrial | None = None
     elastic: ElasticMemory | None = None  # host-memory commits (elastic runs only)
     replay: str = ""  # after a roll-back: which steps are recomputed
+
+    def __post_init__(self) -> None:
+        self.loss = RunningLoss(self.progress, self.backend.device)
 
     @property
     def master(self) -> bool:
@@ -277,10 +280,10 @@ class _Run:
     # -- the Resumable protocol (hvdkit.elastic), also used by a plain run's start ----------
     def before_capture(self) -> None:
         """This rank's running loss goes into the loop state (local: a commit must not talk)."""
-        self.progress.loss_pending = float(self.loss_sum)
+        self.loss.before_commit()
 
     def pending(self) -> float:
-        return float(self.loss_sum)
+        return self.loss.pending()
 
     def start_fresh(self) -> None:
         """Collective: the newest valid checkpoint, or rank 0's fresh weights, on every rank."""
@@ -293,33 +296,21 @@ class _Run:
 
     def loaded(self, rolled_back_from: int | None = None,
                held: list[tuple[int, float]] | None = None) -> None:
-        """After a restore, a sync or a roll-back: what lives outside the states follows them.
-
-        The running loss: after a roll-back this rank's own at the commit; after an elastic sync
-        (``held``: every rank's commit step and running loss before it) its own when every rank
-        held the newest commit, else the holders' sums are folded into the epoch's loss (a
-        newcomer has none); after a restore from disk, this rank's saved sum (their mean when
-        the world size changed).
-        """
-        p, rank = self.progress, self.backend.rank
+        """After a restore, a sync or a roll-back: what lives outside the states follows them
+        (the running loss: :class:`~hvdkit.progress.RunningLoss` says how in each case)."""
+        p = self.progress
         self.result.history = p.history
         if rolled_back_from is not None:
-            self.loss_sum.fill_(p.loss_pending)
+            self.loss.rolled_back()
             if self.samples is not None:
                 self.samples.discard()
             if rolled_back_from > p.global_step:
                 self.replay = f"; steps {p.global_step + 1}..{rolled_back_from} are done again"
             return
         if held is not None:
-            newest = max(step for step, _ in held)
-            if all(step == newest for step, _ in held):
-                self.loss_sum.fill_(held[rank][1])
-            else:
-                holders = [v for step, v in held if step == newest]
-                p.loss_committed += sum(holders) / len(holders)
-                self.loss_sum.zero_()
+            self.loss.synced(held, self.backend.rank)
         else:
-            self.loss_sum.fill_(p.loss_sum_for(rank, self.backend.size))
+            self.loss.restored(self.backend.rank, self.backend.size)
         if self.samples is not None:
             self.samples.truncate(p.global_step)  # records of steps run again go
 
@@ -337,8 +328,7 @@ class _Run:
         """Collective: checkpoint the current step (once), with every rank's running loss."""
         if self.ckpt is None or self.saved_step == self.step:
             return
-        self.before_capture()
-        self.progress.loss_sums = self.backend.gather_objects(float(self.loss_sum))
+        self.loss.before_save(self.backend)
         path = self.ckpt.save(self.step, self.states, metrics=self._metrics_now(),
                               skip_nonfinite=self.watch.mode == "warn")
         self.saved_step = self.step
@@ -363,8 +353,7 @@ class _Run:
         Folding at the same steps in every mode keeps the epoch loss bit-identical between
         elastic and plain runs; a world that changes between commits then loses nothing.
         """
-        self.progress.loss_committed += self.backend.allreduce_metric(self.loss_sum)
-        self.loss_sum.zero_()
+        self.loss.fold(self.backend)
         if self.samples is not None:
             self.samples.record(self.progress.epoch, self.step)
         if self.cfg.elastic:
@@ -417,8 +406,7 @@ def _set_up(cfg: TrainConfig, backend: Backend, log: Callable[[str], None], resu
                 val_data=val_data, task=task, model=model, optimizer=optimizer, scheduler=scheduler,
                 scaler=make_scaler(cfg.precision, backend.device),  # fp16 only; checkpointed
                 ckpt=ckpt, watch=NonFiniteWatch(backend, cfg.on_nonfinite), samples=samples,
-                observers=Observers(cfg, backend.is_master),
-                loss_sum=torch.zeros((), dtype=torch.float64, device=backend.device))
+                observers=Observers(cfg, backend.is_master))
 
 
 def _check_data(run: _Run) -> None:
@@ -557,8 +545,7 @@ def _loop(run: _Run, preemption: Preemption) -> None:
             first_sample, t0, waited = p.samples_in_epoch, time.perf_counter(), backend.comm_wait
             if _one_epoch(run, sampler, preemption, profiler):
                 # at --max-steps mid-epoch: evaluated and saved; its loss so far is the final one
-                run.result.partial_loss = (p.loss_committed + backend.allreduce_metric(run.loss_sum)) / \
-                    max(p.steps_in_epoch, 1)
+                run.result.partial_loss = run.loss.mean(backend)
                 break
             if not _end_epoch(run, p.samples_in_epoch - first_sample, time.perf_counter() - t0,
                               backend.comm_wait - waited):
@@ -626,7 +613,7 @@ def _one_epoch(run: _Run, sampler: ShardSampler, preemption: Preemption,
                               cfg.backend.accumulation_steps, cfg.precision, run.scaler, weight,
                               cfg.clip_grad_norm)
             run.watch.record(loss, run.step + 1)
-            run.loss_sum += loss
+            run.loss.add(loss)
             run.scheduler.step()
             profiler.step()
             _advance(run, step)
@@ -728,7 +715,7 @@ def _end_epoch(run: _Run, samples_here: int, seconds: float, waited: float) -> b
     comm = backend.allreduce_metric(waited / seconds if seconds > 0 else 0.0) if backend.size > 1 else 0.0
     if not backend.comm_wait_measured:
         comm = float("nan")  # not measured (FSDP2): said so, not shown as 0%
-    epoch_loss = (p.loss_committed + backend.allreduce_metric(run.loss_sum)) / max(p.steps_in_epoch, 1)
+    epoch_loss = run.loss.mean(backend)
     if run.samples is not None:  # while the state still says which epoch they belong to
         run.samples.record(epoch, run.step)
     val = _evaluate(run)
@@ -744,8 +731,8 @@ def _end_epoch(run: _Run, samples_here: int, seconds: float, waited: float) -> b
     run.observers.epoch(run, record)
     run.check_nonfinite(not run.watch.warned and run.watch.check_now(), before_save=False)
     p.epoch, p.samples_in_epoch = epoch + 1, 0
-    run.loss_sum.zero_()
-    p.loss_committed, p.steps_in_epoch = 0.0, 0
+    run.loss.end_epoch()
+    p.steps_in_epoch = 0
     # ASHA decides before the save: a trial requeued in between meets the same rung
     # again and reuses the recorded decision
     go_on = _asha_rung(run, record)

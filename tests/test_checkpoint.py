@@ -331,3 +331,28 @@ def test_full_disk_is_reported_as_full_and_keeps_the_previous_checkpoint(tiny_fs
     assert sorted(p.name for p in tiny_fs.iterdir()) == ["ckpt-000000001.h5", "filler", "latest"]
     assert (tiny_fs / "ckpt-000000001.h5").read_bytes() == first
     assert verify_checkpoint(tiny_fs / "ckpt-000000001.h5")[0]
+
+
+def test_running_loss_rules_for_a_restore_a_sync_and_a_roll_back():
+    """The rules RunningLoss keeps in one place, on one process: a restore takes this rank's
+    saved sum (their mean at another world size), a sync where a rank lacks the newest commit
+    folds the holders' mean, a roll-back returns to this rank's commit."""
+    from hvdkit.progress import Progress, RunningLoss
+
+    p = Progress(loss_sums=[1.0, 3.0], steps_in_epoch=4)
+    loss = RunningLoss(p, torch.device("cpu"))
+    loss.restored(rank=1, size=2)
+    assert float(loss.local) == 3.0
+    loss.restored(rank=0, size=3)
+    assert float(loss.local) == 2.0
+    loss.synced([(5, 1.5), (5, 2.5)], rank=1)  # everyone at the newest commit: its own
+    assert float(loss.local) == 2.5 and p.loss_committed == 0.0
+    loss.synced([(5, 1.5), (-1, 0.0), (5, 2.5)], rank=1)  # a newcomer: the holders' mean folded
+    assert float(loss.local) == 0.0 and p.loss_committed == 2.0
+    loss.add(torch.tensor(0.5, dtype=torch.float64))
+    loss.before_commit()
+    loss.add(torch.tensor(7.0, dtype=torch.float64))
+    loss.rolled_back()
+    assert float(loss.local) == 0.5 and p.loss_pending == 0.5
+    loss.end_epoch()
+    assert float(loss.local) == 0.0 and p.loss_committed == 0.0
