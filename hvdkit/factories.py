@@ -20,6 +20,7 @@ Every failure is one :class:`~hvdkit.errors.ConfigError` naming the path and wha
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -130,10 +131,24 @@ def _module_file(module: str) -> Path | None:
     return None
 
 
+@functools.lru_cache(maxsize=32)
+def _parse_version(file: Path, version: tuple[int, int]) -> tuple[str, ast.Module]:
+    source = file.read_text()
+    return source, ast.parse(source, filename=str(file))
+
+
+def _parse(file: Path) -> tuple[str, ast.Module]:
+    """``file``'s source and syntax tree, parsed once per version of the file (one check reads
+    a file up to three times: its syntax, where a name is defined, that definition's arguments).
+    Raises what reading or parsing raises."""
+    stat = file.stat()
+    return _parse_version(file, (stat.st_mtime_ns, stat.st_size))
+
+
 def _signature_from_source(file: Path, attr: str) -> ast.arguments | None:
     """The arguments of function (or class ``__init__``) ``attr`` defined at the top of ``file``."""
     try:
-        tree = ast.parse(file.read_text(), filename=str(file))
+        _, tree = _parse(file)
     except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
         return None
     name = attr.split(".")[0]
@@ -157,8 +172,7 @@ def _find_definition(file: Path, name: str, module: str | None, depth: int = 0
     when that cannot be told without importing.
     """
     try:
-        source = file.read_text()
-        tree = ast.parse(source, filename=str(file))
+        source, tree = _parse(file)
     except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
         return None
     package = module if file.name == "__init__.py" else (module.rpartition(".")[0] if module else None)
@@ -237,7 +251,7 @@ def check_static(value: str, args: Mapping[str, Any] | None = None, what: str = 
     if file.suffix != ".py":
         return
     try:  # a file that cannot even be parsed fails on every rank at import: say so now
-        ast.parse(file.read_text(), filename=str(file))
+        _parse(file)
     except SyntaxError as exc:
         raise ConfigError(f"{what} {value}: {file.name} line {exc.lineno}: SyntaxError: {exc.msg}",
                           "fix the file; 'python -m py_compile FILE' shows the same") from None

@@ -58,6 +58,18 @@ def _apply_config(ctx: click.Context, param: click.Parameter, value: str | None)
     return value
 
 
+def usable_output_path(path: str | Path, flag: str) -> None:
+    """A file the command will write: its directory exists and is writable, or a usage error
+    (exit 2) naming ``flag``, before anything is rendered or started."""
+    from ..errors import ConfigError
+    from ..fileio import check_output_path
+
+    try:
+        check_output_path(path, flag)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
 def config_option(f: Callable[..., Any]) -> Callable[..., Any]:
     """``--config FILE``: option defaults from YAML/TOML/JSON; flags on the command line win."""
     return click.option(

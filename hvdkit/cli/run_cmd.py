@@ -33,7 +33,7 @@ from ..launch.local import (
 from ..launch.output import run_with_log
 from ..launch.vocabulary import BACKEND_VAR, CONSOLE_TTY_VAR, IFACE_VAR, check_iface_name, iface_env
 from ..log import debug
-from .common import config_option, ray_options, ray_spec, translate_errors
+from .common import config_option, ray_options, ray_spec, translate_errors, usable_output_path
 from .validate import check_program, check_train_args, is_program
 
 
@@ -151,12 +151,7 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
     if elastic and not host_discovery_script:
         raise click.UsageError("--elastic needs --host-discovery-script (write one with --write-discovery-script)")
     if write_script:
-        from ..fileio import check_output_path
-
-        try:
-            check_output_path(write_script, "--write-script")
-        except ConfigError as exc:
-            raise click.UsageError(str(exc)) from None
+        usable_output_path(write_script, "--write-script")
     # a terminal here: hvdkit train's ranks send their progress, and this process draws it as a bar
     tty = sys.stderr.isatty() and not is_program(args) and not (dry_run or write_script)
     ray_only = [f"--{n}" for n, on in (("ray-placement", ray_placement != "pack"),
