@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
 # A real N-node Slurm cluster on this one machine, for tests, demos and laptops.
 #
-#   scripts/local-cluster.sh up [--nodes N]   N nodes (default 2); idempotent; waits until idle
+#   scripts/local-cluster.sh up [--nodes N] [--link RATE[,DELAY]]
+#                                              N nodes (default 2); idempotent; waits until idle;
+#                                              --link shapes the fabric as `link` does
+#   scripts/local-cluster.sh link RATE[,DELAY]|off
+#                                              every node's fabric interface (eth1) sends at most
+#                                              RATE (1gbit, 10gbit, 500mbit: a tbf qdisc in the
+#                                              node), plus DELAY (50us, 1ms: netem) where the
+#                                              kernel has sch_netem; `off` removes it. The link
+#                                              in use is in $STATE/link and in `status`
 #   scripts/local-cluster.sh status            nodes, addresses, daemons and Slurm's view
 #   scripts/local-cluster.sh exec NODE -- CMD  run CMD "on" NODE (its hostname and network)
 #   scripts/local-cluster.sh pids NODE         PIDs of every process on NODE (its namespace)
@@ -333,22 +341,83 @@ revive_node() {
   die "node$k did not come back; see $STATE/log/slurmd-node$k.log"
 }
 
+# --- the fabric's speed (tc in each node) ---------------------------------------------
+RATE_RE='^([1-9][0-9]*)(kbit|mbit|gbit)$'
+DELAY_RE='^([0-9]+)(us|ms)$'
+
+check_link() {  # RATE[,DELAY] or off: refused in one line before anything changes
+  local spec="$1" rate delay
+  [ "$spec" = off ] && return 0
+  rate="${spec%%,*}"; delay=""
+  [ "$rate" != "$spec" ] && delay="${spec#*,}"
+  [[ "$rate" =~ $RATE_RE ]] || die "--link $spec: RATE '$rate' is not a positive rate; HINT: use e.g. 1gbit, 10gbit or 500mbit (kbit, mbit, gbit)"
+  if [ -n "$delay" ]; then
+    [[ "$delay" =~ $DELAY_RE ]] || die "--link $spec: DELAY '$delay' is not a delay; HINT: use e.g. 50us or 1ms"
+    netem_works || die "--link $spec: this kernel has no netem qdisc (sch_netem), so a DELAY cannot be emulated; HINT: give the RATE alone (--link $rate)"
+  fi
+}
+
+netem_works() {  # probe in a throwaway namespace: the kernel may lack sch_netem
+  local probe="hvk-netem$$" ok=0
+  ip netns add "$probe" 2>/dev/null || return 1
+  ip netns exec "$probe" tc qdisc add dev lo root netem delay 1us 2>/dev/null && ok=1
+  ip netns del "$probe" 2>/dev/null || true
+  [ "$ok" = 1 ]
+}
+
+rate_bits() {  # 1gbit -> 1000000000
+  [[ "$1" =~ $RATE_RE ]]
+  local n="${BASH_REMATCH[1]}"
+  case "${BASH_REMATCH[2]}" in kbit) echo $((n * 1000)) ;; mbit) echo $((n * 1000000)) ;; gbit) echo $((n * 1000000000)) ;; esac
+}
+
+link() {  # RATE[,DELAY] | off, on every node's eth1
+  need_root link
+  local spec="${1:-}" n k rate delay burst
+  [ -n "$spec" ] || die "usage: $0 link RATE[,DELAY]|off (e.g. 1gbit, 10gbit,20us, off)"
+  check_link "$spec"
+  n="$(nodes_count)"
+  [ "$n" != 0 ] || die "the local cluster is not up, so there is no link to shape; HINT: $0 up --link $spec"
+  [ "$(mode)" = multi ] || die "the local cluster runs in single-node mode (no namespaces): it has no fabric to shape"
+  rate="${spec%%,*}"; delay=""
+  [ "$rate" != "$spec" ] && delay="${spec#*,}"
+  for k in $(seq 1 "$n"); do
+    in_node "node$k" tc qdisc del dev eth1 root 2>/dev/null || true
+    [ "$spec" = off ] && continue
+    # burst: 10 ms at the rate, and at least one 64 KiB GSO segment (tbf drops a larger packet)
+    burst=$(( $(rate_bits "$rate") / 8 / 100 ))
+    [ "$burst" -ge 65536 ] || burst=65536
+    if [ -n "$delay" ]; then
+      in_node "node$k" tc qdisc add dev eth1 root handle 1: netem delay "$delay"
+      in_node "node$k" tc qdisc add dev eth1 parent 1: handle 2: tbf rate "$rate" burst "$burst" latency 100ms
+    else
+      in_node "node$k" tc qdisc add dev eth1 root tbf rate "$rate" burst "$burst" latency 100ms
+    fi
+  done
+  echo "$spec" >"$STATE/link"
+  log "fabric link: ${spec} on eth1 of node1..node$n$([ "$spec" = off ] || printf ' (%s)' "$(in_node node1 tc qdisc show dev eth1 | head -1)")"
+}
+
 up() {
   need_root up
-  local n=2
+  local n=2 spec=""
   while [ $# -gt 0 ]; do
     case "$1" in
       --nodes) n="${2:-}"; shift 2 ;;
       --nodes=*) n="${1#--nodes=}"; shift ;;
-      *) die "unknown option $1; HINT: usage: $0 up [--nodes N]" ;;
+      --link) spec="${2:-}"; shift 2 ;;
+      --link=*) spec="${1#--link=}"; shift ;;
+      *) die "unknown option $1; HINT: usage: $0 up [--nodes N] [--link RATE[,DELAY]]" ;;
     esac
   done
   if ! [[ "$n" =~ ^[1-9][0-9]*$ ]] || [ "$n" -gt "$MAX_NODES" ]; then
     die "--nodes must be 1..$MAX_NODES, got '$n'"
   fi
+  [ -z "$spec" ] || check_link "$spec"
   command -v slurmctld >/dev/null || die "Slurm not installed; HINT: run scripts/setup.sh"
   if is_up "$n"; then
     log "already up ($(mode), $n node(s))"
+    [ -z "$spec" ] || link "$spec"
     return 0
   fi
   [ "$(nodes_count)" = 0 ] || down
@@ -382,6 +451,7 @@ up() {
   fi
   wait_idle "$n"
   log "up: $(mode), $n node(s); $(sinfo -h -o '%P %D nodes %t' | paste -sd' ')"
+  if [ -n "$spec" ]; then link "$spec"; else echo off >"$STATE/link"; fi
 }
 
 down() {
@@ -471,7 +541,7 @@ status() {
   local n k
   n="$(nodes_count)"
   if [ "$n" = 0 ]; then echo "local cluster: down"; return 3; fi
-  echo "local cluster: mode $(mode), $n node(s), state in $STATE"
+  echo "local cluster: mode $(mode), $n node(s), fabric link $(cat "$STATE/link" 2>/dev/null || echo off), state in $STATE"
   printf '  %-10s %s\n' slurmctld "$(alive slurmctld && echo "pid $(cat "$(pidfile slurmctld)")" || echo DEAD)"
   if [ "$(mode)" = multi ]; then
     for k in $(seq 1 "$n"); do
@@ -495,9 +565,10 @@ case "${1:-up}" in
   kill-node) kill_node "${2:-}" ;;
   ray-up) ray_up ;;
   ray-down) ray_down ;;
+  link) link "${2:-}" ;;
   revive) revive_node "${2:-}" ;;
   pids)
     [ $# -eq 2 ] || die "usage: $0 pids NODE"
     ip netns pids "hvk-$2" ;;
-  *) echo "usage: $0 up [--nodes N] | status | exec NODE -- CMD | pids NODE | kill-node NODE | revive NODE | ray-up | ray-down | down" >&2; exit 2 ;;
+  *) echo "usage: $0 up [--nodes N] [--link RATE[,DELAY]] | link RATE[,DELAY]|off | status | exec NODE -- CMD | pids NODE | kill-node NODE | revive NODE | ray-up | ray-down | down" >&2; exit 2 ;;
 esac

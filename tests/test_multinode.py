@@ -24,6 +24,7 @@ from click.testing import CliRunner
 
 from helpers import (
     CLUSTER,
+    CLUSTER_STATE,
     DONE_STATES,
     VENV,
     base_env,
@@ -537,3 +538,93 @@ def test_ray_sweep_job_is_preempted_every_trial_checkpoints_and_the_requeued_job
     assert straight.returncode == 0, straight.stderr[-2000:]
     resumed = json.loads((out / "results" / "ray-1.json").read_text())
     assert resumed["param_digest"] == re.search(r"digest=(\w+)", straight.stdout).group(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Links with a real speed: the fabric shaped with tc in every node, and measured
+# ---------------------------------------------------------------------------------------------
+LINK_RATE = 1e9 / 8  # 1gbit in bytes/s
+
+
+def fabric_busbw(tmp_path: Path, name: str) -> float:
+    """Median bus bandwidth (bytes/s) of a 64 MiB gloo allreduce between node1 and node2, over
+    eth1 (3 timed repetitions after a warm-up)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, str(Path(__file__).resolve().parent / "workers" / "link_allreduce.py")]
+    procs = [subprocess.Popen([str(CLUSTER), "exec", f"node{rank + 1}", "--", *argv, str(rank),
+                               str(tmp_path / f"{name}.store"), "64", "3"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              start_new_session=True)
+             for rank in (0, 1)]
+    outs = []
+    for proc in procs:
+        try:
+            outs.append(proc.communicate(timeout=240)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                os.killpg(p.pid, 9)
+            raise
+    assert all(p.returncode == 0 for p in procs), outs
+    busbw = json.loads(outs[0].strip().splitlines()[-1])["busbw"]
+    return sorted(busbw)[len(busbw) // 2]
+
+
+def qdiscs(node: str) -> str:
+    return cluster("exec", node, "--", "tc", "qdisc", "show", "dev", "eth1")
+
+
+@pytest.mark.timeout(600)  # measured 30 s on 2 cores
+def test_the_fabric_link_is_shaped_to_its_rate_and_unshaped_again(tmp_path):
+    """`local-cluster.sh link 1gbit` puts a tbf qdisc on every node's eth1: a 64 MiB allreduce
+    between the nodes then reaches 80-100% of 1 Gbit/s as bus bandwidth and never more; `link
+    off` removes it (the same allreduce is then well above the rate)."""
+    try:
+        said = cluster("link", "1gbit")
+        assert "fabric link: 1gbit" in said, said
+        for node in ("node1", "node2"):
+            assert "qdisc tbf" in qdiscs(node) and "rate 1Gbit" in qdiscs(node), qdiscs(node)
+        assert (CLUSTER_STATE / "link").read_text().strip() == "1gbit"
+        shaped = fabric_busbw(tmp_path, "shaped")
+        print(f"1gbit link: busbw {shaped / 1e6:.1f} MB/s = {shaped / LINK_RATE:.0%} of the rate")
+        assert 0.80 * LINK_RATE <= shaped <= 1.02 * LINK_RATE, shaped / LINK_RATE
+    finally:
+        cluster("link", "off")
+    for node in ("node1", "node2"):
+        assert "tbf" not in qdiscs(node), qdiscs(node)
+    assert (CLUSTER_STATE / "link").read_text().strip() == "off"
+    free = fabric_busbw(tmp_path, "unshaped")
+    print(f"unshaped: busbw {free / 1e6:.1f} MB/s")
+    assert free > 1.5 * LINK_RATE, free / LINK_RATE
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("0gbit", "RATE '0gbit' is not a positive rate"),
+    ("fast", "RATE 'fast' is not a positive rate"),
+    ("1gbit,soon", "DELAY 'soon' is not a delay"),
+])
+def test_a_bad_link_is_refused_in_one_line_and_changes_nothing(spec, says):
+    before = [qdiscs(n) for n in ("node1", "node2")]
+    proc = subprocess.run([str(CLUSTER), "link", spec], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert [qdiscs(n) for n in ("node1", "node2")] == before
+
+
+def test_a_link_on_a_cluster_that_is_not_up_is_refused_in_one_line(tmp_path):
+    env = {**os.environ, "HVDKIT_CLUSTER_STATE": str(tmp_path / "no-cluster")}
+    proc = subprocess.run([str(CLUSTER), "link", "1gbit"], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "the local cluster is not up" in proc.stderr and "up --link 1gbit" in proc.stderr
+
+
+def test_a_link_delay_is_emulated_where_the_kernel_can_and_refused_in_one_line_where_not(tmp_path):
+    """DELAY needs the netem qdisc; some kernels (this machine's) are built without it."""
+    proc = subprocess.run([str(CLUSTER), "link", "1gbit,50us"], capture_output=True, text=True, timeout=60)
+    try:
+        if proc.returncode == 0:
+            assert "netem" in qdiscs("node1") and "tbf" in qdiscs("node1"), qdiscs("node1")
+        else:
+            assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+            assert "this kernel has no netem qdisc (sch_netem)" in proc.stderr and "--link 1gbit" in proc.stderr
+            assert "tbf" not in qdiscs("node1")
+    finally:
+        cluster("link", "off")

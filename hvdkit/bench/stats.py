@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import math
+import os
 import platform
 import statistics
 import time
@@ -83,6 +84,10 @@ def environment(world_size: int | None = None) -> dict[str, Any]:
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "world_size": world_size,
     }
+    # the fabric's shaping on scripts/local-cluster.sh (its `link`): "1gbit", "off", or None
+    # where no local cluster is up; the nodes see the state directory on the shared file system
+    link = Path(os.environ.get("HVDKIT_CLUSTER_STATE", "/run/hvdkit-cluster")) / "link"
+    env["local_cluster_link"] = link.read_text().strip() if link.is_file() else None
     try:  # the installed version, read without importing horovod
         env["horovod"] = importlib.metadata.version("horovod")
     except importlib.metadata.PackageNotFoundError:
