@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterable, Iterator, Sized
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from torch import nn
 from ..errors import HvdkitError
 from .parallelism import Parallelism
 from .zero import same_optimizer
+
+if TYPE_CHECKING:
+    from .base import Backend
 
 __all__ = ["FullyShardedParallelism", "shard_model", "full_model_state", "full_optimizer_state",
            "scatter_model_state", "scatter_optimizer_state"]
@@ -175,7 +178,7 @@ class FullyShardedParallelism(Parallelism):
     replicates_parameters = False  # "identical on every rank" holds by construction
     comm_wait_measured = False     # FSDP2 waits inside backward: not told apart from compute
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Backend) -> None:
         super().__init__(backend)
         self.model: nn.Module | None = None
         # what rank 0 read in a restore, until the broadcast that follows scatters it; a

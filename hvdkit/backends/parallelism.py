@@ -30,7 +30,7 @@ from torch import nn
 if TYPE_CHECKING:
     from .base import Backend
 
-__all__ = ["Communicator", "Parallelism", "Replicated", "to_cpu"]
+__all__ = ["Communicator", "Parallelism", "Replicated", "state_tensors", "to_cpu"]
 
 T = TypeVar("T")
 
@@ -44,6 +44,11 @@ def to_cpu(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_cpu(v) for v in obj)
     return obj
+
+
+def state_tensors(optimizer: torch.optim.Optimizer | None) -> list[Any]:
+    """Every value in ``optimizer``'s per-parameter state (momenta, steps), for the memory report."""
+    return [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()]
 
 
 class Communicator(Protocol):
@@ -131,8 +136,7 @@ class Parallelism:
     def held(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """What this rank holds between steps, for the memory report: the gradients it keeps,
         and its optimizer state's tensors."""
-        state = [v for s in optimizer.state.values() for v in s.values()]
-        return [p for p in model.parameters() if p.requires_grad], state
+        return [p for p in model.parameters() if p.requires_grad], state_tensors(optimizer)
 
     def report(self) -> dict[str, int] | None:
         """What this mode has to say in the metrics file (ZeRO: its buckets and overlap)."""

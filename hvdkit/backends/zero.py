@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from .buckets import BucketEngine, Wait, bucket_bytes, plan_buckets
-from .parallelism import Communicator, Parallelism, to_cpu
+from .parallelism import Communicator, Parallelism, state_tensors, to_cpu
 
 if TYPE_CHECKING:
     from .base import Backend
@@ -397,8 +397,7 @@ class ZeroParallelism(Parallelism):
         """The owned part: its state, and its gradients, which are all that survive the reduction."""
         assert isinstance(optimizer, ShardedOptimizer)
         grads = [optimizer.params[i] for i in optimizer.mine if optimizer.params[i].requires_grad]
-        local = optimizer.local
-        return grads, [] if local is None else [v for s in local.state.values() for v in s.values()]
+        return grads, state_tensors(optimizer.local)
 
     def report(self) -> dict[str, int] | None:
         return dict(self.optimizer.overlap) if self.optimizer is not None else None
