@@ -6,21 +6,26 @@ rolls every survivor back to its last commit; after the world is re-formed every
 the newest state any rank holds (a *sync*) and training goes on. :class:`ElasticMemory` does
 this for any loop through :func:`hvdkit.state.capture`/``apply``/``broadcast``, the same
 serialisation the checkpoint files use; the loop itself only says what its states are and
-what to do around a load (:class:`Resumable`).
+what to do around a load (:class:`Resumable`). :class:`LoopStates` is that for hvdkit's own
+loop: what lives beside its states (the running loss, the sample log) follows every load.
 """
 
 from __future__ import annotations
 
 import copy
+import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import state as states_mod
-from .log import debug
+from .log import debug, diag
 
 if TYPE_CHECKING:
     from .backends.base import Backend
+    from .progress import Progress, RunningLoss
+    from .samplelog import SampleLog
 
-__all__ = ["Resumable", "ElasticMemory"]
+__all__ = ["Resumable", "ElasticMemory", "LoopStates"]
 
 
 class Resumable(Protocol):
@@ -101,3 +106,57 @@ class ElasticMemory:
 
     def on_reset(self) -> None:
         self.loop.on_reset()
+
+
+class LoopStates:
+    """hvdkit's own loop as a :class:`Resumable`, for every run (a plain run's start is a load
+    too): its states, and the running loss and the sample log, which follow each load.
+
+    ``start`` is the loop's own fresh start (the newest checkpoint, or rank 0's weights).
+    """
+
+    def __init__(self, states: dict[str, Any], progress: Progress, loss: RunningLoss,
+                 samples: SampleLog | None, backend: Backend, start: Callable[[], None]) -> None:
+        self.states, self.progress, self.loss, self.samples = states, progress, loss, samples
+        self.backend, self._start = backend, start
+        self.replay = ""  # after a roll-back: which steps are recomputed (said at the reset)
+
+    @property
+    def step(self) -> int:
+        return self.progress.global_step
+
+    def before_capture(self) -> None:
+        """This rank's running loss goes into the loop state (local: a commit must not talk)."""
+        self.loss.before_commit()
+
+    def pending(self) -> float:
+        return self.loss.pending()
+
+    def start_fresh(self) -> None:
+        self._start()
+
+    def loaded(self, rolled_back_from: int | None = None,
+               held: list[tuple[int, float]] | None = None) -> None:
+        """After a restore, a sync or a roll-back (:class:`~hvdkit.progress.RunningLoss` says
+        what each does to the running loss); the sample log drops what is done again."""
+        if rolled_back_from is not None:
+            self.loss.rolled_back()
+            if self.samples is not None:
+                self.samples.discard()
+            if rolled_back_from > self.step:
+                self.replay = f"; steps {self.step + 1}..{rolled_back_from} are done again"
+            return
+        if held is not None:
+            self.loss.synced(held, self.backend.rank)
+        else:
+            self.loss.restored(self.backend.rank, self.backend.size)
+        if self.samples is not None:
+            self.samples.truncate(self.step)  # records of steps run again go
+
+    def on_reset(self) -> None:
+        """The world changed (after the backend re-formed it, before the sync)."""
+        p, b = self.progress, self.backend
+        diag(f"reset: rank {b.rank} of {b.size} (host {b.slot_host()}, pid {os.getpid()}), continuing from "
+             f"committed step {p.global_step} at sample {p.samples_in_epoch} of epoch {p.epoch}'s order"
+             f"{self.replay}", every_rank=True)
+        self.replay = ""

@@ -36,7 +36,7 @@ from .backends import Backend, create_backend
 from .checkpoint import CheckpointManager
 from .config import TrainConfig
 from .data import SampleSeeded, ShardSampler, all_labels, open_datasets, per_rank_batch_size, unwrap_dataset
-from .elastic import ElasticMemory
+from .elastic import ElasticMemory, LoopStates
 from .errors import ConfigError, HvdkitError
 from .faults import hold_point
 from .fileio import write_json_atomic
@@ -249,11 +249,12 @@ class _Run:
     saved_step: int | None = None  # at most one checkpoint per step
     saved_name: str | None = None
     asha: AshaTrial | None = None
+    resumable: LoopStates = field(init=False)  # what follows each load of the states
     elastic: ElasticMemory | None = None  # host-memory commits (elastic runs only)
-    replay: str = ""  # after a roll-back: which steps are recomputed
 
     def __post_init__(self) -> None:
         self.loss = RunningLoss(self.progress, self.backend.device)
+        self.resumable = LoopStates(self.states, self.progress, self.loss, self.samples, self.backend, self.start)
 
     @property
     def master(self) -> bool:
@@ -277,51 +278,15 @@ class _Run:
         """Samples in this epoch at the current world size (the epoch ends before a partial batch)."""
         return self.geo.steps_per_epoch * self.geo.global_batch
 
-    # -- the Resumable protocol (hvdkit.elastic), also used by a plain run's start ----------
-    def before_capture(self) -> None:
-        """This rank's running loss goes into the loop state (local: a commit must not talk)."""
-        self.loss.before_commit()
-
-    def pending(self) -> float:
-        return self.loss.pending()
-
-    def start_fresh(self) -> None:
-        """Collective: the newest valid checkpoint, or rank 0's fresh weights, on every rank."""
+    def start(self) -> None:
+        """Collective: the newest valid checkpoint, or rank 0's fresh weights, on every rank
+        (``LoopStates.start_fresh``: an elastic run's first sync finds no commit, too)."""
         restored = self.ckpt.restore(self.states) if (self.ckpt and self.cfg.resume) else None
         if not (self.ckpt and self.cfg.resume):  # restore() broadcasts either way
             states_mod.broadcast(self.states, self.backend, root=0)
         if restored is not None:
             self.saved_step, self.saved_name = restored.step, restored.path.name
             self.result.resumed_from = str(restored.path)
-
-    def loaded(self, rolled_back_from: int | None = None,
-               held: list[tuple[int, float]] | None = None) -> None:
-        """After a restore, a sync or a roll-back: what lives outside the states follows them
-        (the running loss: :class:`~hvdkit.progress.RunningLoss` says how in each case)."""
-        p = self.progress
-        self.result.history = p.history
-        if rolled_back_from is not None:
-            self.loss.rolled_back()
-            if self.samples is not None:
-                self.samples.discard()
-            if rolled_back_from > p.global_step:
-                self.replay = f"; steps {p.global_step + 1}..{rolled_back_from} are done again"
-            return
-        if held is not None:
-            self.loss.synced(held, self.backend.rank)
-        else:
-            self.loss.restored(self.backend.rank, self.backend.size)
-        if self.samples is not None:
-            self.samples.truncate(p.global_step)  # records of steps run again go
-
-    def on_reset(self) -> None:
-        """Elastic: the world changed (after the backend re-formed it, before the sync)."""
-        p = self.progress
-        diag(f"reset: rank {self.backend.rank} of {self.backend.size} (host "
-             f"{self.backend.slot_host()}, pid {os.getpid()}), continuing from committed step "
-             f"{p.global_step} at sample {p.samples_in_epoch} of epoch {p.epoch}'s order{self.replay}",
-             every_rank=True)
-        self.replay = ""
 
     # -- the loop's collective checkpoints --------------------------------------------------
     def save(self) -> None:
@@ -507,7 +472,7 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
     try:
         _check_data(run)
         if cfg.elastic:
-            run.elastic = ElasticMemory(backend, run)  # commits in host memory: elastic runs only
+            run.elastic = ElasticMemory(backend, run.resumable)  # commits in host memory: elastic runs only
             diag(f"elastic worker rank {backend.rank} of {backend.size} (local {backend.local_rank}) host "
                  f"{backend.slot_host()} pid {os.getpid()}", every_rank=True)
             # sync, then the loop; after a lost or added worker: roll back or keep, re-sync, re-enter
@@ -517,14 +482,15 @@ def _train(cfg: TrainConfig, backend: Backend, log: Callable[[str], None],
                 err.echo = backend.is_master
                 raise
         else:
-            run.start_fresh()
-            run.loaded()
+            run.start()
+            run.resumable.loaded()
             _loop(run, preemption)
     except Preempted as stop:
         result.preempted, result.status = True, "preempted"
         result.global_step, result.requeued, result.requeue = stop.step, stop.requeued, stop.outcome
     finally:
         run.observers.close()
+        result.history = run.progress.history  # a load replaces the list: the final one
     return result
 
 
@@ -722,7 +688,6 @@ def _end_epoch(run: _Run, samples_here: int, seconds: float, waited: float) -> b
     record: dict[str, Any] = {"epoch": epoch, "step": run.step, "loss": epoch_loss, "samples_per_sec": sps,
                               "comm_wait": comm, **{f"val_{k}": v for k, v in val.items()}}
     p.history.append(record)
-    run.result.history = p.history
     if run.master:
         shown = "".join(f" val_{k} {v:.6g}" for k, v in val.items() if k != "count")
         waits = f"{comm:.0%}" if comm == comm else "not measured"  # nan: FSDP2's waits are in backward
