@@ -20,7 +20,9 @@ __all__ = [
     "HorovodOptions",
     "DDPOptions",
     "BackendConfig",
+    "CompressionSpec",
     "TrainConfig",
+    "parse_compression",
     "config_from_dict",
 ]
 
@@ -36,7 +38,8 @@ MAX_WORKERS = 64  # DataLoader worker processes per rank (--num-workers): more i
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw")          # hvdkit.optim builds them
 LR_SCHEDULES = ("constant", "cosine", "step")       # after the warm-up (hvdkit.schedule)
 PRECISIONS = ("fp32", "bf16", "fp16")  # hvdkit.precision implements them
-COMPRESSIONS = ("none", "fp16")
+COMPRESSIONS = ("none", "fp16", "powersgd")  # powersgd takes options: powersgd:rank=R,start=N
+POWERSGD_DEFAULTS = {"rank": 2, "start": 10}  # see CompressionSpec
 SHARD_MODES = ("none", "optimizer", "full")  # hvdkit.backends.zero; FSDP2 for full (DDP only)
 HOROVOD_OPS = ("average", "sum", "adasum")
 HOROVOD_REDUCERS = ("bucketed", "stock")
@@ -87,6 +90,56 @@ def _positive(what: str, value: float, allow_zero: bool = False) -> None:
 
 
 @dataclass(frozen=True)
+class CompressionSpec:
+    """``--compression none|fp16|powersgd[:rank=R,start=N]``, parsed.
+
+    PowerSGD (Vogels et al., NeurIPS 2019) sends each gradient matrix as two rank-``rank``
+    factors, with error feedback and warm start, as torch's ``powerSGD_hook``. Rank 2 is
+    the paper's choice for ResNet-18 on CIFAR-10. The first ``start`` optimizer steps send
+    plain averaged gradients (torch's ``start_powerSGD_iter``, whose default of 1000 would
+    outlast many runs here); it must be 2 or more, as in torch, because DDP re-forms its
+    buckets after the first step.
+    """
+
+    kind: str = "none"
+    rank: int = POWERSGD_DEFAULTS["rank"]
+    start: int = POWERSGD_DEFAULTS["start"]
+
+    def __str__(self) -> str:
+        return f"powersgd:rank={self.rank},start={self.start}" if self.kind == "powersgd" else self.kind
+
+
+def parse_compression(text: str) -> CompressionSpec:
+    """``none``, ``fp16``, ``powersgd`` or ``powersgd:rank=R,start=N`` (ConfigError in one line)."""
+    kind, _, rest = text.partition(":")
+    _choice("--compression", kind, COMPRESSIONS)
+    if kind != "powersgd":
+        if rest:
+            raise ConfigError(f"--compression {text}: {kind} takes no options", f"use --compression {kind}")
+        return CompressionSpec(kind)
+    values = dict(POWERSGD_DEFAULTS)
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if key not in values or not eq:
+            raise ConfigError(f"--compression {text}: {item!r} is not an option of powersgd",
+                              f"use powersgd:{','.join(f'{k}=N' for k in values)} (defaults "
+                              f"{', '.join(f'{k}={v}' for k, v in POWERSGD_DEFAULTS.items())})")
+        try:
+            values[key] = int(value)
+        except ValueError:
+            raise ConfigError(f"--compression {text}: {key} must be an integer, got {value!r}",
+                              f"e.g. powersgd:{key}={POWERSGD_DEFAULTS[key]}") from None
+    if values["rank"] < 1:
+        raise ConfigError(f"--compression {text}: rank must be >= 1, got {values['rank']}",
+                          "use a rank of 1 to 4 (each matrix is sent as two factors of that rank)")
+    if values["start"] < 2:
+        raise ConfigError(f"--compression {text}: start must be >= 2, got {values['start']}",
+                          "PowerSGD's error feedback starts after DDP re-forms its buckets at step 1: "
+                          "use start=2 or more")
+    return CompressionSpec("powersgd", values["rank"], values["start"])
+
+
+@dataclass(frozen=True)
 class HorovodOptions:
     """Knobs of Horovod's ``DistributedOptimizer`` and of Horovod's background thread.
 
@@ -112,7 +165,7 @@ class HorovodOptions:
     stall_shutdown_s: int | None = None
 
     def __post_init__(self) -> None:
-        _choice("compression", self.compression, COMPRESSIONS)
+        parse_compression(self.compression)
         _choice("horovod op", self.op, HOROVOD_OPS)
         _choice("horovod reducer", self.reducer, HOROVOD_REDUCERS)
         _positive("bucket_cap_mb", self.bucket_cap_mb)
@@ -171,7 +224,7 @@ class DDPOptions:
     def __post_init__(self) -> None:
         _positive("bucket_cap_mb", self.bucket_cap_mb)
         _positive("timeout_s", self.timeout_s)
-        _choice("compression", self.compression, COMPRESSIONS)
+        parse_compression(self.compression)
         if self.process_group_backend is not None:
             _choice("process group backend", self.process_group_backend, ("gloo", "nccl", "mpi"))
 
@@ -190,6 +243,12 @@ class BackendConfig:
     horovod: HorovodOptions = field(default_factory=HorovodOptions)
     ddp: DDPOptions = field(default_factory=DDPOptions)
 
+    @property
+    def compression(self) -> CompressionSpec:
+        """The gradient compression of this backend (its own options section's)."""
+        return parse_compression(self.ddp.compression if TRAITS[self.name].options == "ddp"
+                                 else self.horovod.compression)
+
     def __post_init__(self) -> None:
         _choice("backend", self.name, BACKENDS)
         _choice("shard", self.shard, SHARD_MODES)
@@ -199,11 +258,19 @@ class BackendConfig:
             raise ConfigError(f"--shard full is not available with --backend {self.name}: it shards the parameters "
                               f"with FSDP2, which only {full} runs (each layer's weights gathered in forward and "
                               "backward)", f"use --shard optimizer (ZeRO-1/2, any backend), or {full} --shard full")
+        compression = self.compression
         if self.shard != "none":
             refuse_combinations(f"--shard {self.shard}", (
                 (own.options == "horovod" and self.horovod.op != "average", f"--hvd-op {self.horovod.op}"),
-                (self.horovod.compression != "none" or self.ddp.compression != "none", "--compression fp16")),
+                (compression.kind != "none", f"--compression {compression.kind}")),
                 " (the sharded reduction averages plain gradients)", "drop {why} or --shard")
+        if compression.kind == "powersgd" and own.options == "horovod":
+            refuse_combinations("--compression powersgd", (
+                (self.horovod.op != "average", f"--hvd-op {self.horovod.op}"),
+                (self.horovod.reducer != "bucketed", f"--hvd-reducer {self.horovod.reducer}"),
+                (self.horovod.gradient_predivide_factor != 1.0, "--predivide-factor")),
+                " (it averages low-rank factors of whole buckets, on hvdkit's bucketed reducer)",
+                "drop {why}")
         if self.accumulation_steps < 1:
             raise ConfigError(
                 f"accumulation_steps must be >= 1, got {self.accumulation_steps}",
@@ -325,6 +392,13 @@ class TrainConfig:
                 (self.precision == "fp16", "--precision fp16 (use bf16)")),
                 ": every rank must take part in every sharded reduction, and each holds only its part "
                 "of the state", "drop {why} or --shard")
+        if self.backend.compression.kind == "powersgd":
+            refuse_combinations("--compression powersgd", (
+                (self.elastic, "--elastic"), (self.uneven, "--uneven"),
+                (self.precision == "fp16", "--precision fp16 (use bf16)")),
+                ": its error feedback is each rank's own state, kept across steps (a changing world or a "
+                "joined rank has none to give, and a scaled gradient that overflows would poison it)",
+                "drop {why} or use --compression fp16")
         if self.uneven:
             refuse_combinations("--uneven", (
                 (self.backend.accumulation_steps > 1, "--accumulation-steps above 1"),

@@ -89,6 +89,8 @@ class TrainResult:
     memory: list[dict] = field(default_factory=list)  # per rank: bytes held (hvdkit.memory)
     # --shard optimizer, rank 0: gradient buckets, and how many started while backward still ran
     shard_overlap: dict = field(default_factory=dict)
+    # --compression powersgd: its settings, the steps it compressed and the elements it sent
+    compression: dict = field(default_factory=dict)
 
     @property
     def final_loss(self) -> float:
@@ -740,6 +742,8 @@ def _report_done(run: _Run) -> None:
     report = backend.parallelism.report()
     if report is not None:
         result.shard_overlap = report
+    if backend.powersgd is not None:
+        result.compression = backend.powersgd.report()
     digests = backend.gather_objects(param_digest(backend.replica_state_dict(run.model)))
     result.param_digest = digests[0]
     result.history = run.progress.history

@@ -49,6 +49,9 @@ CASES = [
     ("slurm -o x.sbatch -- --model missing.py:net --data tiny.h5", 2, "file missing.py does not exist"),
     ("slurm -o x.sbatch -- --model factories.py:nope --data tiny.h5", 2, "factories.py defines no 'nope'"),
     ("slurm -o x.sbatch -- --lr nan", 2, "Invalid value for '--lr': 'nan' is not a finite number"),
+    ("slurm -o x.sbatch -- --compression powersgd:rank=0", 2, "--compression powersgd:rank=0: rank must be >= 1"),
+    ("slurm -o x.sbatch -- --compression powersgd --elastic", 2, "--compression powersgd cannot be combined "
+     "with --elastic"),
     ("slurm -o x.sbatch --fusion-threshold-mb nan -- --model tiny", 2, "'nan' is not a finite number"),
     ("slurm -o x.sbatch -- --model syntax.py:net --data tiny.h5", 2, "syntax.py line 1: SyntaxError"),
     ("slurm -o x.sbatch -- --optimizer factories.py:NeedsArg", 2,
@@ -78,6 +81,16 @@ CASES = [
     # hvdkit train: bad options, bad data (before the first step)
     ("train --lr -1", 2, "'--lr'"),
     ("train --lr nan", 2, "Invalid value for '--lr': 'nan' is not a finite number"),
+    ("train --compression powersgd:rank=x", 2, "--compression powersgd:rank=x: rank must be an integer"),
+    ("train --compression powersgd:start=1", 2, "start must be >= 2, got 1"),
+    ("train --compression powersgd:ranks=2", 2, "'ranks=2' is not an option of powersgd"),
+    ("train --compression fp16:rank=2", 2, "fp16 takes no options"),
+    ("train --compression int8", 2, "--compression 'int8' is not known"),
+    ("train --compression powersgd --shard optimizer", 2, "--shard optimizer cannot be combined with "
+     "--compression powersgd"),
+    ("train --backend horovod --compression powersgd --hvd-reducer stock", 2,
+     "--compression powersgd cannot be combined with --hvd-reducer stock"),
+    ("run -- --compression powersgd:rank=0", 2, "rank must be >= 1, got 0"),
     ("train --model resnet", 2, "--model 'resnet' is not known"),
     ("train --val-fraction 1.5", 2, "--val-fraction must be in [0, 1), got 1.5"),
     ("train --eval-every 5", 2, "--eval-every needs validation data"),

@@ -115,10 +115,13 @@ def test_click_defaults_and_choices_are_the_configs_own():
     assert train["backend"] == (DEFAULT_BACKEND, tuple(BACKENDS)) and config.BackendConfig().name == DEFAULT_BACKEND
     for option, constant in (("precision", config.PRECISIONS), ("lr_schedule", config.LR_SCHEDULES),
                              ("on_nonfinite", config.NONFINITE_MODES), ("log_level", config.LOG_LEVELS),
-                             ("compression", config.COMPRESSIONS), ("hvd_op", config.HOROVOD_OPS),
+                             ("hvd_op", config.HOROVOD_OPS),
                              ("hvd_reducer", config.HOROVOD_REDUCERS), ("shard", config.SHARD_MODES),
                              ("progress", config.PROGRESS_MODES)):
         assert train[option][1] == tuple(constant), option
+    # --compression takes options (powersgd:rank=R,start=N): not a choice, but its help names every kind
+    shown = next(p for p in train_command.params if p.name == "compression").metavar
+    assert shown.replace("[:rank=R,start=N]", "").split("|") == list(config.COMPRESSIONS)
     job = {f.name: f.default for f in dataclasses.fields(SlurmJob) if f.default is not dataclasses.MISSING}
     slurm = _defaults_and_choices(slurm_command)
     for name in ("job_name", "nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "time", "signal",

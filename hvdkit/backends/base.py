@@ -18,6 +18,7 @@ from ..environments import usable_cores
 from ..errors import ConfigError, HvdkitError
 from .fsdp import FullyShardedParallelism
 from .parallelism import Parallelism, Replicated, to_cpu
+from .powersgd import PowerSGD
 from .traits import TRAITS
 from .zero import ZeroParallelism
 
@@ -86,6 +87,7 @@ class Backend(ABC):
         self.comm_wait = 0.0
         self._unsynced = 0  # micro-batches since the last sync=True (see accumulate)
         self.parallelism: Parallelism = Replicated(self)  # chosen again, from config.shard, in wrap()
+        self.powersgd: PowerSGD | None = None  # set by wrap_replicated with --compression powersgd
 
     @property
     def comm_wait_measured(self) -> bool:

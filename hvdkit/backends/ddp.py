@@ -26,6 +26,7 @@ from ..environments import ClusterEnvironment, detect_environment
 from ..errors import HvdkitError, first_line
 from ..log import debug
 from .base import Backend, to_cpu
+from .powersgd import PowerSGD
 
 T = TypeVar("T")
 
@@ -124,10 +125,14 @@ class DDPBackend(Backend):
             find_unused_parameters=opts.find_unused_parameters,
             **{_BUFFER_SYNC_ARG: opts.broadcast_buffers},  # type: ignore[arg-type]
         )
-        if opts.compression == "fp16":
+        spec = self.config.compression
+        if spec.kind == "fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif spec.kind == "powersgd":  # torch's powerSGD_hook, its state checkpointed by hvdkit
+            self.powersgd = PowerSGD(spec, {id(p): name for name, p in model.named_parameters()})
+            ddp.register_comm_hook(None, self.powersgd.ddp_hook)
         # The time of the last local gradient: DDP's reducer waits for its buckets at the end
         # of backward, so the exposed communication is from then until backward returns.
         for p in model.parameters():

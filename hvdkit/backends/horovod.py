@@ -20,6 +20,7 @@ from ..environments import detect_environment
 from ..errors import BackendUnavailableError, ConfigError, HvdkitError, LauncherEnvError
 from .base import Backend, ElasticLoop, clip_gradients
 from .hvd_reducer import bucketed_optimizer
+from .powersgd import PowerSGD
 
 T = TypeVar("T")
 
@@ -134,15 +135,17 @@ class HorovodBackend(Backend):
     def wrap_replicated(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        opts = self.config.horovod
-        compression = self.hvd.Compression.fp16 if opts.compression == "fp16" else self.hvd.Compression.none
+        opts, spec = self.config.horovod, self.config.compression
+        compression = self.hvd.Compression.fp16 if spec.kind == "fp16" else self.hvd.Compression.none
         common = dict(named_parameters=list(model.named_parameters()), compression=compression,
                       backward_passes_per_step=self.config.accumulation_steps, op=self._op(),
                       gradient_predivide_factor=opts.gradient_predivide_factor)
+        if spec.kind == "powersgd":  # the config allows it on the bucketed reducer only
+            self.powersgd = PowerSGD(spec, {id(p): name for name, p in model.named_parameters()})
         try:
             if self.reducer == "bucketed":
                 dist_opt = bucketed_optimizer(self.hvd, optimizer, bucket_cap_mb=opts.bucket_cap_mb,
-                                              **common)
+                                              powersgd=self.powersgd, **common)
             else:
                 dist_opt = self.hvd.DistributedOptimizer(optimizer, **common)
         except ValueError as exc:

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from .buckets import FIRST_BUCKET_BYTES, BucketEngine, Wait, plan_buckets
+from .powersgd import PowerSGD
 
 __all__ = ["bucketed_optimizer", "plan_allreduce_buckets"]
 
@@ -52,10 +53,11 @@ class _BucketedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, hvd: Any, named_parameters: Sequence[tuple[str, nn.Parameter]],
                  compression: Any, backward_passes_per_step: int, op: Any,
-                 gradient_predivide_factor: float, bucket_cap_mb: float) -> None:
+                 gradient_predivide_factor: float, bucket_cap_mb: float, powersgd: PowerSGD | None) -> None:
         super(self.__class__, self).__init__(params)  # type: ignore[misc,call-arg]
         self._hvd = hvd
         self._compression = compression
+        self._powersgd = powersgd  # replaces the compression class: low-rank factors, not the buffer
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         if op == hvd.Average:
@@ -85,6 +87,10 @@ class _BucketedOptimizer(torch.optim.Optimizer):
         self._buffers = [torch.empty(sum(self._reduced[i].numel() for i in members),
                                      dtype=self._reduced[members[0]].dtype, device=self._reduced[members[0]].device)
                          for members in plan]
+        self._views = []  # each bucket's parameters' gradients as views of its buffer (PowerSGD's matrices)
+        for members, buf in zip(plan, self._buffers):
+            sizes = [self._reduced[i].numel() for i in members]
+            self._views.append([part.view_as(self._reduced[i]) for i, part in zip(members, buf.split(sizes))])
         self._engine = BucketEngine(self._reduced, plan, self._allreduce, self.backward_passes_per_step)
 
     @property
@@ -108,10 +114,18 @@ class _BucketedOptimizer(torch.optim.Optimizer):
                                    "use --hvd-reducer stock")
             buf[at:at + p.numel()].copy_(p.grad.reshape(-1))
             at += p.numel()
+        if self._powersgd is not None:
+            members = self._engine.plan[b]
+            return self._powersgd.start(b, b == len(self._buffers) - 1, buf, self._views[b],
+                                        [self._reduced[i] for i in members], self._allreduce_sum, self._hvd.size())
         compressed, ctx = self._compression.compress(buf)
         handle = self._hvd.allreduce_async_(compressed, name=f"hvdkit.bucket.{b}", op=self.op,
                                             prescale_factor=self._prescale, postscale_factor=self._postscale)
         return lambda: self._compression.decompress(self._hvd.synchronize(handle), ctx)
+
+    def _allreduce_sum(self, tensor: torch.Tensor, name: str) -> Wait:
+        handle = self._hvd.allreduce_async_(tensor, name=name, op=self._hvd.Sum)
+        return lambda: self._hvd.synchronize(handle)
 
     # -- the stock optimizer's public surface -------------------------------------------------
     def synchronize(self) -> None:
@@ -158,9 +172,10 @@ def bucketed_optimizer(hvd: Any, optimizer: torch.optim.Optimizer,
                        named_parameters: Iterable[tuple[str, nn.Parameter]], compression: Any,
                        backward_passes_per_step: int = 1, op: Any = None,
                        gradient_predivide_factor: float = 1.0,
-                       bucket_cap_mb: float = 25.0) -> torch.optim.Optimizer:
-    """Wrap ``optimizer`` like ``hvd.DistributedOptimizer`` does, reducing gradients in buckets."""
+                       bucket_cap_mb: float = 25.0, powersgd: PowerSGD | None = None) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` like ``hvd.DistributedOptimizer`` does, reducing gradients in buckets
+    (``powersgd``: compressed by :mod:`hvdkit.backends.powersgd` instead, with op Average)."""
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_BucketedOptimizer.__dict__))
     return cls(optimizer.param_groups, hvd, list(named_parameters), compression,  # type: ignore[call-arg]
                backward_passes_per_step, hvd.Average if op is None else op,
-               gradient_predivide_factor, bucket_cap_mb)
+               gradient_predivide_factor, bucket_cap_mb, powersgd)

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 from torch import nn
 
+from .powersgd import STATE_KEY as POWERSGD_KEY
+
 if TYPE_CHECKING:
     from .base import Backend
 
@@ -86,6 +88,7 @@ class Parallelism:
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
+        self._powersgd_loaded: dict[str, Any] | None = None  # rank 0's, between a load and the broadcast
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         """``model`` is on the device already; make its gradients data-parallel."""
@@ -111,10 +114,35 @@ class Parallelism:
         self.backend.unwrap(model).load_state_dict(state)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return optimizer.state_dict()
+        """The optimizer's state; with PowerSGD also its state, every rank's error feedback
+        gathered (collective, as a checkpoint's capture is)."""
+        state = optimizer.state_dict()
+        powersgd = self.backend.powersgd
+        if powersgd is None:
+            return state
+        mine = powersgd.state_dict()
+        errors = self.backend.gather_objects(to_cpu(mine.pop("error")))
+        return {**state, POWERSGD_KEY: {**mine, "q": to_cpu(mine["q"]), "error": errors}}
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Rank 0 loads a checkpoint; :meth:`broadcast_optimizer` then gives each rank its own
+        PowerSGD error feedback."""
+        state = dict(state)
+        saved = state.pop(POWERSGD_KEY, None)
         optimizer.load_state_dict(state)
+        if self.backend.powersgd is not None:
+            self._powersgd_loaded = saved  # None: saved without PowerSGD, which starts afresh
+            self._apply_powersgd(saved)
+
+    def _apply_powersgd(self, saved: dict[str, Any] | None) -> None:
+        """This rank's part of a gathered PowerSGD state (its own error feedback, where the
+        world size is the one it was saved at; else the error feedback restarts from zero)."""
+        assert self.backend.powersgd is not None
+        if saved is None:
+            return
+        errors = saved["error"]
+        mine = errors[self.backend.rank] if len(errors) == self.backend.size else {}
+        self.backend.powersgd.load_state_dict({**saved, "error": mine})
 
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, root: int) -> None:
         """Collective: every rank takes ``root``'s model and optimizer state. The optimizer
@@ -126,6 +154,10 @@ class Parallelism:
 
     def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int) -> None:
         self.backend.broadcast_replicated_optimizer(optimizer, root)
+        if self.backend.powersgd is not None:  # what root loaded, each rank its own error feedback
+            saved = self._powersgd_loaded if self.backend.rank == root else None
+            self._apply_powersgd(self.backend.broadcast_object(saved, root))
+            self._powersgd_loaded = None
 
     # -- evaluation and reports --------------------------------------------------------------
     def eval_batches(self, loader: Iterable[Any], shard: Sized) -> Iterator[tuple[Any, int]]:

@@ -22,6 +22,7 @@ from ..config import (
     LOG_LEVELS,
     LR_SCHEDULES,
     NONFINITE_MODES,
+    POWERSGD_DEFAULTS,
     PRECISIONS,
     PROGRESS_MODES,
     SHARD_MODES,
@@ -161,7 +162,11 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
            "checkpointed); parameters and optimizer stay fp32. bf16 works on CPUs too.")
 @_opt("--seed", type=int, default=TRAIN["seed"])
 # -- the backends ---------------------------------------------------------------------------
-@_opt("--compression", type=click.Choice(COMPRESSIONS), default=HVD["compression"], help="Gradient compression.")
+@_opt("--compression", metavar="|".join(COMPRESSIONS[:-1]) + f"|{COMPRESSIONS[-1]}[:rank=R,start=N]",
+      default=HVD["compression"],
+      help="Gradient compression on both backends: fp16 halves the bytes; powersgd sends each gradient matrix "
+           f"as two rank-R factors with error feedback (torch's powerSGD_hook; defaults "
+           f"{', '.join(f'{k}={v}' for k, v in POWERSGD_DEFAULTS.items())}: plain averaging for the first N steps).")
 @_opt("--hvd-reducer", type=click.Choice(HOROVOD_REDUCERS), default=HVD["reducer"],
       help="Horovod gradient reduction: DDP-style buckets through Horovod's allreduce, or "
            "hvd.DistributedOptimizer itself (stock; always used for Adasum).")
