@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from . import state as states_mod
+from .advice import WAIT_SHARE, advise
 from .asha import AshaTrial
 from .backends import Backend, create_backend
 from .checkpoint import CheckpointManager
@@ -253,6 +254,7 @@ class _Run:
     asha: AshaTrial | None = None
     resumable: LoopStates = field(init=False)  # what follows each load of the states
     elastic: ElasticMemory | None = None  # host-memory commits (elastic runs only)
+    advised: bool = False  # the network advice (hvdkit.advice) is asked once per run
 
     def __post_init__(self) -> None:
         self.loss = RunningLoss(self.progress, self.backend.device)
@@ -695,6 +697,11 @@ def _end_epoch(run: _Run, samples_here: int, seconds: float, waited: float) -> b
         waits = f"{comm:.0%}" if comm == comm else "not measured"  # nan: FSDP2's waits are in backward
         run.log(f"epoch {epoch} loss {epoch_loss:.6f}{shown} samples/s {sps:.1f} comm wait {waits} "
                 f"({backend.size} ranks)")
+        if not run.advised and comm == comm and comm >= WAIT_SHARE:  # once, and only what was measured
+            run.advised = True
+            tip = advise(run.cfg, comm)
+            if tip:
+                warn(tip)
     run.observers.epoch(run, record)
     run.check_nonfinite(not run.watch.warned and run.watch.check_now(), before_save=False)
     p.epoch, p.samples_in_epoch = epoch + 1, 0

@@ -1,0 +1,90 @@
+"""Advice from a measurement: when communication shows in the step time, the knob that the
+network bench measured to help on this cluster's link, once per run, or nothing.
+
+``benchmarks/network.py`` measures every knob over the cluster's link and saves its result
+(``network.json``) where this module looks: ``$HVDKIT_NETWORK_BENCH``, else
+``$XDG_CACHE_HOME/hvdkit/network.json`` (``~/.cache/...``); ``HVDKIT_NETWORK_BENCH=`` (empty)
+turns it off. When an epoch's communication
+wait is at least :data:`WAIT_SHARE` of its time, the loop asks :func:`advise` once. It
+answers only from that file: the variant of the run's own backend that was clearly faster
+than the backend's default (its upper quartile below the default's lower quartile) and that
+the run does not use already. No file, no clear winner: no advice. Nothing is guessed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+__all__ = ["WAIT_SHARE", "bench_file", "knobs_of", "advise"]
+
+WAIT_SHARE = 0.25  # an epoch that waits this much of its time for gradients is worth a line
+
+
+def bench_file() -> Path | None:
+    """Where the network bench's result is looked for (it may not exist); set and empty
+    ``HVDKIT_NETWORK_BENCH=`` turns the advice off (None)."""
+    if "HVDKIT_NETWORK_BENCH" in os.environ:
+        explicit = os.environ["HVDKIT_NETWORK_BENCH"]
+        return Path(explicit) if explicit else None
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "hvdkit" / "network.json"
+
+
+def knobs_of(cfg: TrainConfig) -> dict[str, str]:
+    """The run's values of the options the network bench varies."""
+    b = cfg.backend
+    hvd = b.horovod
+    cap = b.ddp.bucket_cap_mb if b.name == "ddp" else hvd.bucket_cap_mb
+    return {"--compression": b.compression.kind, "--bucket-cap-mb": str(cap),
+            "--fusion-threshold-mb": "" if hvd.fusion_threshold_mb is None else str(hvd.fusion_threshold_mb),
+            "--cycle-time-ms": "" if hvd.cycle_time_ms is None else str(hvd.cycle_time_ms)}
+
+
+def _same(a: str, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return a.split(":")[0] == b.split(":")[0]  # powersgd:rank=4 is powersgd
+
+
+def _uses(knobs: dict[str, str], options: list[str]) -> bool:
+    """Whether the run already has each option and value of a variant (e.g. --compression powersgd)."""
+    return all(_same(knobs.get(flag, ""), value) for flag, value in zip(options[::2], options[1::2]))
+
+
+def advise(cfg: TrainConfig, wait_share: float, path: Path | None = None) -> str | None:
+    """One line naming the measured knob for the run's backend on this cluster's link, or None."""
+    path = path or bench_file()
+    backend, knobs = cfg.backend.name, knobs_of(cfg)
+    if path is None:
+        return None
+    try:
+        report: dict[str, Any] = json.loads(path.read_text())
+        rows, options = report["rows"], report["options"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # nothing measured (or not a bench file): nothing to say
+    default = f"{backend} default"
+    found = []
+    for row in rows:
+        variants = row["variants"]
+        if default not in variants:
+            continue
+        base = variants[default]
+        for name, v in variants.items():
+            opts = options.get(name, [])
+            if not name.startswith(f"{backend} ") or name == default or not opts or _uses(knobs, opts):
+                continue
+            if v["p75_s"] < base["p25_s"]:  # clearly faster, not within the noise
+                found.append((v["median_s"] / base["median_s"], name, opts, row))
+    if not found:
+        return None
+    ratio, name, opts, row = min(found, key=lambda f: f[0])
+    return (f"communication wait is {wait_share:.0%} of the step time; on this cluster's link ({row['link']}), "
+            f"the network bench measured {' '.join(opts)} at {ratio:.2f}x the step time of {default} on "
+            f"{row['model']} ({path}); try it")

@@ -1,0 +1,55 @@
+"""hvdkit.advice: the knob the network bench measured, said once when communication shows, and
+nothing where nothing was measured or nothing clearly helped."""
+
+from __future__ import annotations
+
+import json
+
+from hvdkit.advice import advise, bench_file
+from hvdkit.config import BackendConfig, DDPOptions, HorovodOptions, TrainConfig
+
+
+def _variant(median: float, spread: float = 0.01) -> dict:
+    return {"median_s": median, "p25_s": median - spread, "p75_s": median + spread}
+
+
+def _bench(tmp_path, variants: dict, options: dict):
+    path = tmp_path / "network.json"
+    path.write_text(json.dumps({"rows": [{"link": "1gbit", "model": "resnet18", "variants": variants}],
+                                "options": options}))
+    return path
+
+
+OPTIONS = {"horovod default": [], "horovod powersgd": ["--compression", "powersgd"],
+           "horovod bucket=5MB": ["--bucket-cap-mb", "5"], "ddp default": [], "ddp fp16": ["--compression", "fp16"]}
+
+
+def test_the_clearly_fastest_knob_of_the_runs_own_backend_is_named_with_its_measured_ratio(tmp_path):
+    path = _bench(tmp_path, {"horovod default": _variant(0.50), "horovod powersgd": _variant(0.30),
+                             "horovod bucket=5MB": _variant(0.45), "ddp default": _variant(0.52),
+                             "ddp fp16": _variant(0.20)}, OPTIONS)
+    tip = advise(TrainConfig(backend=BackendConfig(name="horovod")), 0.41, path)
+    assert tip is not None and "communication wait is 41%" in tip and "(1gbit)" in tip
+    assert "--compression powersgd at 0.60x the step time of horovod default on resnet18" in tip
+    # already on it: the next clear winner of its backend (DDP's fp16 is not Horovod's knob)
+    on_it = TrainConfig(backend=BackendConfig(name="horovod", horovod=HorovodOptions(compression="powersgd:rank=4")))
+    assert "--bucket-cap-mb 5 at 0.90x" in advise(on_it, 0.41, path)
+    ddp = TrainConfig(backend=BackendConfig(name="ddp", ddp=DDPOptions(compression="fp16")))
+    assert advise(ddp, 0.41, path) is None  # the only DDP knob that helped is in use
+
+
+def test_no_file_or_no_clear_winner_says_nothing(tmp_path, monkeypatch):
+    cfg = TrainConfig(backend=BackendConfig(name="horovod"))
+    assert advise(cfg, 0.9, tmp_path / "missing.json") is None
+    (tmp_path / "bad.json").write_text("{not json")
+    assert advise(cfg, 0.9, tmp_path / "bad.json") is None
+    within_noise = _bench(tmp_path, {"horovod default": _variant(0.50, 0.05), "horovod powersgd": _variant(0.47, 0.05)},
+                          OPTIONS)
+    assert advise(cfg, 0.9, within_noise) is None
+    monkeypatch.setenv("HVDKIT_NETWORK_BENCH", str(within_noise))
+    assert bench_file() == within_noise
+    monkeypatch.setenv("HVDKIT_NETWORK_BENCH", "")  # off (the suite's runs: tests/helpers.py)
+    assert bench_file() is None and advise(cfg, 0.9) is None
+    monkeypatch.delenv("HVDKIT_NETWORK_BENCH")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert bench_file() == tmp_path / "cache" / "hvdkit" / "network.json"
