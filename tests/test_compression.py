@@ -66,7 +66,7 @@ def test_the_state_follows_parameters_when_buckets_are_re_formed():
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(300)  # measured 21 s (2 cores)
+@pytest.mark.timeout(300)  # measured 13 s (2 cores, loaded)
 def test_horovods_powersgd_gives_torchs_powersgd_hook_update_on_two_ranks(tmp_path):
     """Eight SGD steps (3 plain, 5 compressed) of a 4-layer net, 2 ranks with their own data:
     torch's DDP + powerSGD_hook (the reference), hvdkit's DDP backend, and hvdkit's Horovod
@@ -100,7 +100,7 @@ def _run(tmp_path: Path, name: str, backend: str, *extra: str) -> dict:
 
 
 @pytest.mark.mp
-@pytest.mark.timeout(600)  # measured 40 s (2 cores)
+@pytest.mark.timeout(600)  # measured 45 s (2 cores, loaded)
 def test_a_powersgd_run_stopped_and_resumed_on_the_other_backend_ends_on_the_straight_runs_bits(tmp_path):
     """Stopped at step 10 (7 compressed steps in) and resumed on the other backend: each rank's
     error feedback and the warm-started Q come back from the checkpoint, stored per parameter,

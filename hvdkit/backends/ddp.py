@@ -130,7 +130,7 @@ class DDPBackend(Backend):
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif spec.kind == "powersgd":  # torch's powerSGD_hook, its state checkpointed by hvdkit
+        elif spec.kind == "powersgd":  # torch's powerSGD_hook's algorithm, issued in one order on every rank
             self.powersgd = PowerSGD(spec, {id(p): name for name, p in model.named_parameters()})
             ddp.register_comm_hook(None, self.powersgd.ddp_hook)
         # The time of the last local gradient: DDP's reducer waits for its buckets at the end

@@ -6,12 +6,12 @@ update is P Q^T. What the factors miss is kept per rank and added to the next st
 gradient (*error feedback*); Q is reused from the previous step (*warm start*). Vectors and
 matrices too small to gain (n m <= 2 (n + m) r) are averaged whole.
 
-* DDP runs torch's own ``powerSGD_hook``.
-* Horovod has no such compressor. :meth:`PowerSGD.start` is the same algorithm, step by step
-  and in the same order (the same ``PowerSGDState``, orthogonalisation, tensor grouping and
-  random draws), on Horovod's allreduce, as one more collective of hvdkit's bucket engine
-  (:mod:`hvdkit.backends.buckets`). Two ranks with the same buckets give the same update
-  on both backends (tests/test_compression.py).
+* :meth:`PowerSGD.start` is torch's ``powerSGD_hook``, step by step and in the same order
+  (the same ``PowerSGDState``, orthogonalisation, tensor grouping and random draws), given
+  the allreduce to use. Horovod has no such compressor: there it is one more collective of
+  hvdkit's bucket engine (:mod:`hvdkit.backends.buckets`). DDP runs it as a comm hook
+  (:meth:`PowerSGD.ddp_hook` says why not torch's own). Two ranks with the same buckets give
+  torch's hook's update, bit for bit, on both backends (tests/test_compression.py).
 
 The state is each rank's own (the error feedback), so a checkpoint gathers it from every
 rank and the broadcast after a load scatters it back
@@ -76,6 +76,7 @@ class PowerSGD:
         self._shapes: dict[str, torch.Size] = {}
         self._device: dict[int, tuple[torch.device, torch.dtype]] = {}
         self._pending: dict[str, dict[str, torch.Tensor]] = {"error": {}, "q": {}}  # per parameter, to place
+        self._ddp_open: tuple[Wait, torch.futures.Future[torch.Tensor]] | None = None  # its Q not yet sent
 
     # -- buckets ------------------------------------------------------------------------------
     def see_bucket(self, index: int, params: Sequence[torch.Tensor]) -> None:
@@ -158,15 +159,34 @@ class PowerSGD:
         for index in self._layouts:
             self._place(index)
 
-    # -- DDP: torch's hook ------------------------------------------------------------------------
+    # -- DDP: the same algorithm as a comm hook ------------------------------------------------
     def ddp_hook(self, state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        """``DistributedDataParallel.register_comm_hook(None, powersgd.ddp_hook)``: torch's hook,
-        after the bucket's state is in place."""
-        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
+        """``DistributedDataParallel.register_comm_hook(None, powersgd.ddp_hook)``.
 
-        if self.state.iter >= self.state.start_powerSGD_iter:
-            self.see_bucket(bucket.index(), bucket.parameters())
-        return powerSGD_hook(self.state, bucket)
+        Not torch's ``powerSGD_hook`` itself: it starts each bucket's second and third
+        allreduce from completion callbacks, so on gloo two buckets' collectives can start in
+        different orders on different ranks (seen: ResNet-18 over two nodes died with "Received
+        data size doesn't match expected size"). Here every collective starts on the autograd
+        thread in bucket order: a bucket's plain part and P now, and its Q when the next bucket
+        arrives (the last one finishes at once), so P still overlaps the rest of backward.
+        """
+        import torch.distributed as dist
+
+        def allreduce_sum(tensor: torch.Tensor, _name: str) -> Wait:
+            work = dist.all_reduce(tensor, async_op=True)
+            return lambda: (work.wait(), tensor)[1]
+
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        wait = self.start(bucket.index(), bucket.is_last(), bucket.buffer(), bucket.gradients(),
+                          bucket.parameters(), allreduce_sum, dist.get_world_size())
+        if self._ddp_open is not None:  # the previous bucket's Q, after this bucket's P
+            earlier_wait, earlier = self._ddp_open
+            earlier.set_result(earlier_wait())
+        self._ddp_open = (wait, done)
+        if bucket.is_last():
+            self._ddp_open = None
+            done.set_result(wait())
+        return done
 
     # -- Horovod: the same algorithm on its allreduce -----------------------------------------------
     def start(self, index: int, last: bool, flat: torch.Tensor, views: Sequence[torch.Tensor],
