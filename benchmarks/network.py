@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from hvdkit.advice import bench_file  # noqa: E402
+from hvdkit.bench.paths import _env as paths_env  # noqa: E402
 from hvdkit.bench.paths import _floor, _prepare, workloads  # noqa: E402
 from hvdkit.bench.stats import ratio_ci, summarize  # noqa: E402
 
@@ -58,12 +58,11 @@ VARIANTS: dict[str, tuple[list[str], list[str]]] = {
     "ddp fp16": (["--backend", "ddp"], ["--compression", "fp16"]),
     "ddp powersgd": (["--backend", "ddp"], ["--compression", "powersgd"]),
 }
-ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "SLURM_", "HOROVOD_"))}
-    return {**env, **ENV}
+    """The paths bench's clean environment, one thread per rank (the nodes share the cores)."""
+    return paths_env({"OMP_NUM_THREADS": "1"})
 
 
 def _cluster(*args: str) -> str:

@@ -40,8 +40,7 @@ def knobs_of(cfg: TrainConfig) -> dict[str, str]:
     """The run's values of the options the network bench varies."""
     b = cfg.backend
     hvd = b.horovod
-    cap = b.ddp.bucket_cap_mb if b.name == "ddp" else hvd.bucket_cap_mb
-    return {"--compression": b.compression.kind, "--bucket-cap-mb": str(cap),
+    return {"--compression": b.compression.kind, "--bucket-cap-mb": str(b.bucket_cap_mb),
             "--fusion-threshold-mb": "" if hvd.fusion_threshold_mb is None else str(hvd.fusion_threshold_mb),
             "--cycle-time-ms": "" if hvd.cycle_time_ms is None else str(hvd.cycle_time_ms)}
 
@@ -61,9 +60,9 @@ def _uses(knobs: dict[str, str], options: list[str]) -> bool:
 def advise(cfg: TrainConfig, wait_share: float, path: Path | None = None) -> str | None:
     """One line naming the measured knob for the run's backend on this cluster's link, or None."""
     path = path or bench_file()
-    backend, knobs = cfg.backend.name, knobs_of(cfg)
     if path is None:
         return None
+    backend, knobs = cfg.backend.name, knobs_of(cfg)
     try:
         report: dict[str, Any] = json.loads(path.read_text())
         rows, options = report["rows"], report["options"]

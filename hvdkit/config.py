@@ -249,6 +249,13 @@ class BackendConfig:
         return parse_compression(self.ddp.compression if TRAITS[self.name].options == "ddp"
                                  else self.horovod.compression)
 
+    @property
+    def bucket_cap_mb(self) -> float:
+        """``--bucket-cap-mb`` from this backend's own options section (DDP's default where it
+        has none); ZeRO's buckets use it too."""
+        section = TRAITS[self.name].options
+        return float(getattr(self, section).bucket_cap_mb if section else DDPOptions.bucket_cap_mb)
+
     def __post_init__(self) -> None:
         _choice("backend", self.name, BACKENDS)
         _choice("shard", self.shard, SHARD_MODES)

@@ -13,13 +13,12 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import nn
 
-from ..config import BackendConfig, DDPOptions
+from ..config import BackendConfig
 from ..environments import usable_cores
 from ..errors import ConfigError, HvdkitError
 from .fsdp import FullyShardedParallelism
 from .parallelism import Parallelism, Replicated, to_cpu
 from .powersgd import PowerSGD
-from .traits import TRAITS
 from .zero import ZeroParallelism
 
 __all__ = ["Backend", "ElasticLoop", "share_node_cores", "to_cpu", "clip_gradients"]
@@ -98,8 +97,7 @@ class Backend(ABC):
     @property
     def bucket_cap_mb(self) -> float:
         """``--bucket-cap-mb`` from this backend's own options (ZeRO's buckets use it too)."""
-        section = TRAITS[self.name].options
-        return float(getattr(self.config, section).bucket_cap_mb if section else DDPOptions.bucket_cap_mb)
+        return self.config.bucket_cap_mb
 
     # -- identity ---------------------------------------------------------------
     @property

@@ -154,9 +154,10 @@ class Parallelism:
 
     def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int) -> None:
         self.backend.broadcast_replicated_optimizer(optimizer, root)
-        if self.backend.powersgd is not None:  # what root loaded, each rank its own error feedback
-            saved = self._powersgd_loaded if self.backend.rank == root else None
-            self._apply_powersgd(self.backend.broadcast_object(saved, root))
+        if self.backend.powersgd is not None:  # what root loaded (and applied), each rank its own error feedback
+            saved = self.backend.broadcast_object(self._powersgd_loaded if self.backend.rank == root else None, root)
+            if self.backend.rank != root:
+                self._apply_powersgd(saved)
             self._powersgd_loaded = None
 
     # -- evaluation and reports --------------------------------------------------------------
