@@ -34,8 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from hvdkit.advice import bench_file  # noqa: E402
-from hvdkit.bench.paths import _env as paths_env  # noqa: E402
-from hvdkit.bench.paths import _floor, _prepare, workloads  # noqa: E402
+from hvdkit.bench.paths import clean_env, floor_steps, prepare_models, workloads  # noqa: E402
 from hvdkit.bench.stats import ratio_ci, summarize  # noqa: E402
 
 CLUSTER = ROOT / "scripts" / "local-cluster.sh"
@@ -60,9 +59,14 @@ VARIANTS: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
+SAVED = ""  # --use-saved: the bench result the runs may read; none by default
+
+
 def _env() -> dict[str, str]:
-    """The paths bench's clean environment, one thread per rank (the nodes share the cores)."""
-    return paths_env({"OMP_NUM_THREADS": "1"})
+    """The paths bench's clean environment, one thread per rank (the nodes share the cores),
+    and no saved bench result unless --use-saved: "default" is then hvdkit's built-in default,
+    not one that an earlier run of this bench chose (hvdkit.advice.measured_controller)."""
+    return clean_env({"OMP_NUM_THREADS": "1", "HVDKIT_NETWORK_BENCH": SAVED})
 
 
 def _cluster(*args: str) -> str:
@@ -100,6 +104,36 @@ def _allreduce_s(nbytes: int, tmp: Path) -> float:
     return mib * 2**20 / busbw  # two ranks: bus bytes = bytes x 2(n-1)/n = bytes
 
 
+def summarize_report(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` with its rows (re)computed from its blocks: per (link, model) the compute
+    floor, the overlap floor and each variant's quartiles and ratio to DDP's default. The
+    allreduce floor and gradient bytes come from ``floors``/``grad_bytes``, or from the rows
+    of a report written before they were kept apart."""
+    blocks, old = report["blocks"], {(r["link"], r["model"]): r for r in report.get("rows", [])}
+    floors = report.get("floors") or {k[0]: {} for k in old}
+    grad_bytes = dict(report.get("grad_bytes") or {})
+    for (link, model), r in old.items():
+        floors.setdefault(link, {}).setdefault(model, {"allreduce_s": r["allreduce_s"]})
+        grad_bytes.setdefault(model, r["grad_bytes"])
+    rows = []
+    for link in report["links"]:
+        for model in report["models"]:
+            def of(v: str, link: str = link, model: str = model) -> list[list[float]]:
+                return [b["step_s"] for b in blocks if (b["link"], b["model"], b["variant"]) == (link, model, v)]
+            compute = statistics.median(t for blk in of("floor") for t in blk)
+            comm = floors[link][model]["allreduce_s"]
+            overlap = max(compute, comm)
+            row: dict[str, Any] = {"link": link, "model": model, "grad_bytes": grad_bytes[model], "compute_s": compute,
+                                   "allreduce_s": comm, "overlap_floor_s": overlap, "variants": {}}
+            for v in report["variants"]:
+                sm = summarize([t for blk in of(v) for t in blk])
+                point, lo, hi = ratio_ci(of(v), of(DDP))
+                row["variants"][v] = {"median_s": sm["median"], "p25_s": sm["p25"], "p75_s": sm["p75"],
+                                      "over_ddp": [point, lo, hi], "over_overlap_floor": sm["median"] / overlap}
+            rows.append(row)
+    return {**report, "floors": floors, "grad_bytes": grad_bytes, "rows": rows}
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     """One panel per (link, model): median step time of each variant with its quartiles, and
     the two floors as lines."""
@@ -128,6 +162,29 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=90)
 
 
+def write_outputs(report: dict[str, Any], out: Path) -> str:
+    """OUT/network.json, network.md (returned) and network.png of a summarized report."""
+    (out / "network.json").write_text(json.dumps(report, indent=1))
+    lines = []
+    for row in report["rows"]:
+        lines += [f"### {row['model']}, link {row['link']}", "",
+                  f"gradient {row['grad_bytes'] / 2**20:.1f} MiB; compute floor {row['compute_s']:.3f} s/step; "
+                  f"allreduce of the gradient on this link {row['allreduce_s']:.3f} s; overlap floor "
+                  f"{row['overlap_floor_s']:.3f} s/step", "",
+                  "| variant | step (s), median [p25, p75] | x DDP default [95% CI] | x overlap floor |",
+                  "|---|---|---|---|"]
+        for v, s in sorted(row["variants"].items(), key=lambda kv: kv[1]["median_s"]):
+            point, lo, hi = s["over_ddp"]
+            lines.append(f"| {v} | {s['median_s']:.3f} [{s['p25_s']:.3f}, {s['p75_s']:.3f}] | {point:.2f}x "
+                         f"[{lo:.2f}, {hi:.2f}] | {s['over_overlap_floor']:.2f}x |")
+        lines.append("")
+    lines += [f"Note: {note}" for note in report.get("corrections", [])]
+    text = "\n".join(lines)
+    (out / "network.md").write_text(text)
+    plot(report, out / "network.png")
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--links", default="1gbit", help="comma-separated RATE[,DELAY] specs or 'off' (unshaped), "
@@ -143,10 +200,23 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "hvdkit-network-data",
                     help="where the imported data sets are kept between runs")
     ap.add_argument("--plot-only", action="store_true", help="redraw OUT/network.png from OUT/network.json")
+    ap.add_argument("--use-saved", type=Path, default=None,
+                    help="let the runs read this saved bench result, as a user's runs on this cluster do "
+                         "(the defaults it changes: the controller across hosts)")
+    ap.add_argument("--resummarize", action="store_true",
+                    help="recompute OUT/network.json's rows from its blocks and rewrite its table and plot")
     opts = ap.parse_args()
     if opts.plot_only:
         plot(json.loads((opts.out / "network.json").read_text()), opts.out / "network.png")
         return
+    if opts.resummarize:
+        print(write_outputs(summarize_report(json.loads((opts.out / "network.json").read_text())), opts.out))
+        return
+    global SAVED
+    if opts.use_saved is not None:
+        if not opts.use_saved.is_file():
+            raise SystemExit(f"--use-saved {opts.use_saved}: no such file; save one with a run of this bench")
+        SAVED = str(opts.use_saved.resolve())
     variants = [v.strip() for v in opts.variants.split(",")]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -158,7 +228,7 @@ def main() -> None:
         raise SystemExit("the local cluster is down: scripts/local-cluster.sh up")
     opts.out.mkdir(parents=True, exist_ok=True)
     data = opts.data
-    models, extra_env, notes = _prepare(data, [m.strip() for m in opts.models.split(",")])
+    models, extra_env, notes = prepare_models(data, [m.strip() for m in opts.models.split(",")])
     blocks: list[dict[str, Any]] = []
     floors: dict[str, dict[str, Any]] = {}
     grad_bytes: dict[str, int] = {}
@@ -174,7 +244,8 @@ def main() -> None:
                         order = order[r % len(order):] + order[:r % len(order)]
                         for variant in order:
                             if variant == "floor":
-                                steps_s = _floor(spec, 2, opts.epochs, opts.steps, {**_env(), **extra_env}, tmp, 1800)
+                                steps_s = floor_steps(spec, 2, opts.epochs, opts.steps, {**_env(), **extra_env},
+                                                      tmp, 1800)
                             else:
                                 m = _train(spec, variant, opts.epochs, opts.steps, tmp / "m.json", extra_env)
                                 steps_s = [2 * spec["batch"] / h["samples_per_sec"] for h in m["history"][1:]]
@@ -187,49 +258,18 @@ def main() -> None:
                     floors.setdefault(link, {})[model] = {"allreduce_s": _allreduce_s(grad_bytes[model], tmp)}
     finally:
         _cluster("link", "off")
-    rows = []
-    for link in links:
-        for model in models:
-            def of(v: str, link: str = link, model: str = model) -> list[list[float]]:
-                return [b["step_s"] for b in blocks if (b["link"], b["model"], b["variant"]) == (link, model, v)]
-            compute = statistics.median(t for blk in of("floor") for t in blk)
-            comm = floors[link][model]["allreduce_s"]
-            overlap = max(compute, comm)
-            row: dict[str, Any] = {"link": link, "model": model, "grad_bytes": grad_bytes[model], "compute_s": compute,
-                                   "allreduce_s": comm, "overlap_floor_s": overlap, "variants": {}}
-            for v in variants:
-                sm = summarize([t for blk in of(v) for t in blk])
-                point, lo, hi = ratio_ci(of(v), of(DDP))
-                row["variants"][v] = {"median_s": sm["median"], "p25_s": sm["p25"], "p75_s": sm["p75"],
-                                      "over_ddp": [point, lo, hi], "over_overlap_floor": sm["median"] / overlap}
-            rows.append(row)
-    report = {"when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "links": links, "models": models, "variants": variants,
-              "options": {v: VARIANTS[v][1] for v in variants}, "rounds": opts.rounds, "epochs": opts.epochs,
-              "steps": opts.steps, "notes": notes, "rows": rows, "blocks": blocks}
-    text = json.dumps(report, indent=1)
-    (opts.out / "network.json").write_text(text)
+    report = summarize_report({"when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "links": links, "models": models,
+                               "variants": variants, "options": {v: VARIANTS[v][1] for v in variants},
+                               "rounds": opts.rounds, "epochs": opts.epochs, "steps": opts.steps,
+                               "notes": notes + ([f"runs read the saved bench result {SAVED}"] if SAVED else []),
+                               "floors": floors, "grad_bytes": grad_bytes, "blocks": blocks})
+    text = write_outputs(report, opts.out)
     saved = bench_file()
-    if not opts.no_save and saved is not None:  # where training looks for advice (hvdkit.advice)
+    if not opts.no_save and saved is not None:  # where training and hvdkit run look (hvdkit.advice)
         saved.parent.mkdir(parents=True, exist_ok=True)
-        saved.write_text(text)
-        print(f"saved for hvdkit train's advice: {saved}")
-    lines = []
-    for row in rows:
-        lines += [f"### {row['model']}, link {row['link']}", "",
-                  f"gradient {row['grad_bytes'] / 2**20:.1f} MiB; compute floor {row['compute_s']:.3f} s/step; "
-                  f"allreduce of the gradient on this link {row['allreduce_s']:.3f} s; overlap floor "
-                  f"{row['overlap_floor_s']:.3f} s/step", "",
-                  "| variant | step (s), median [p25, p75] | x DDP default [95% CI] | x overlap floor |",
-                  "|---|---|---|---|"]
-        for v, s in sorted(row["variants"].items(), key=lambda kv: kv[1]["median_s"]):
-            point, lo, hi = s["over_ddp"]
-            lines.append(f"| {v} | {s['median_s']:.3f} [{s['p25_s']:.3f}, {s['p75_s']:.3f}] | {point:.2f}x "
-                         f"[{lo:.2f}, {hi:.2f}] | {s['over_overlap_floor']:.2f}x |")
-        lines.append("")
-    (opts.out / "network.md").write_text("\n".join(lines))
-    plot(report, opts.out / "network.png")
-    print("\n".join(lines))
-
+        saved.write_text((opts.out / "network.json").read_text())
+        print(f"saved for hvdkit's advice and controller choice: {saved}")
+    print(text)
 
 if __name__ == "__main__":
     main()

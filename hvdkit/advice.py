@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .config import TrainConfig
 
-__all__ = ["WAIT_SHARE", "bench_file", "knobs_of", "advise"]
+__all__ = ["MEASURED", "WAIT_SHARE", "bench_file", "knobs_of", "advise", "measured_controller"]
 
+MEASURED = "measured"  # how a choice made from the bench's file begins its reason
 WAIT_SHARE = 0.25  # an epoch that waits this much of its time for gradients is worth a line
 
 
@@ -57,19 +58,54 @@ def _uses(knobs: dict[str, str], options: list[str]) -> bool:
     return all(_same(knobs.get(flag, ""), value) for flag, value in zip(options[::2], options[1::2]))
 
 
+def _rows(path: Path | None) -> tuple[list[dict[str, Any]], dict[str, list[str]]] | None:
+    """The bench file's rows and variant options, or None when there is nothing measured."""
+    if path is None:
+        return None
+    try:
+        report: dict[str, Any] = json.loads(path.read_text())
+        return report["rows"], report["options"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # nothing measured (or not a bench file): nothing to say
+
+
+def _clearly_faster(v: dict[str, Any], base: dict[str, Any]) -> bool:
+    return bool(v["p75_s"] < base["p25_s"])  # its upper quartile below the other's lower: not noise
+
+
+def measured_controller(path: Path | None = None) -> tuple[str, str] | None:
+    """horovodrun's Gloo controller and why, when the network bench measured it clearly faster
+    than the default (MPI) controller on *every* model it ran across this cluster's link; else
+    None. Only a run that crosses that link (several hosts) should ask."""
+    found = _rows(path or bench_file())
+    if found is None:
+        return None
+    ratios, links = [], set()
+    for row in found[0]:
+        v = row["variants"]
+        if "horovod default" not in v or "horovod gloo" not in v:
+            continue
+        if not _clearly_faster(v["horovod gloo"], v["horovod default"]):
+            return None
+        ratios.append(v["horovod gloo"]["median_s"] / v["horovod default"]["median_s"])
+        links.add(row["link"])
+    if not ratios:
+        return None
+    return "gloo", (f"{MEASURED} on this cluster's link ({', '.join(sorted(links))}): the network bench ran it at "
+                    f"{min(ratios):.2f}-{max(ratios):.2f}x the MPI controller's step time, {path or bench_file()}; "
+                    "--controller mpi overrides")
+
+
 def advise(cfg: TrainConfig, wait_share: float, path: Path | None = None) -> str | None:
     """One line naming the measured knob for the run's backend on this cluster's link, or None."""
     path = path or bench_file()
-    if path is None:
+    measured = _rows(path)
+    if measured is None:
         return None
+    rows, options = measured
     backend, knobs = cfg.backend.name, knobs_of(cfg)
-    try:
-        report: dict[str, Any] = json.loads(path.read_text())
-        rows, options = report["rows"], report["options"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # nothing measured (or not a bench file): nothing to say
     default = f"{backend} default"
-    found = []
+    found: list[tuple[float, str, list[str], dict[str, Any]]] = []
     for row in rows:
         variants = row["variants"]
         if default not in variants:
@@ -79,7 +115,7 @@ def advise(cfg: TrainConfig, wait_share: float, path: Path | None = None) -> str
             opts = options.get(name, [])
             if not name.startswith(f"{backend} ") or name == default or not opts or _uses(knobs, opts):
                 continue
-            if v["p75_s"] < base["p25_s"]:  # clearly faster, not within the noise
+            if _clearly_faster(v, base):
                 found.append((v["median_s"] / base["median_s"], name, opts, row))
     if not found:
         return None

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 
-from hvdkit.advice import advise, bench_file
+from hvdkit.advice import MEASURED, advise, bench_file, measured_controller
 from hvdkit.config import BackendConfig, DDPOptions, HorovodOptions, TrainConfig
+from hvdkit.launch.local import horovod_controller
 
 
 def _variant(median: float, spread: float = 0.01) -> dict:
@@ -53,3 +54,33 @@ def test_no_file_or_no_clear_winner_says_nothing(tmp_path, monkeypatch):
     monkeypatch.delenv("HVDKIT_NETWORK_BENCH")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert bench_file() == tmp_path / "cache" / "hvdkit" / "network.json"
+
+
+def _rows(tmp_path, *rows: tuple[str, float, float]):
+    """A bench file with one row per (model, horovod default, horovod gloo) median."""
+    path = tmp_path / "controllers.json"
+    path.write_text(json.dumps({"options": {}, "rows": [
+        {"link": "1gbit", "model": m, "variants": {"horovod default": _variant(d), "horovod gloo": _variant(g)}}
+        for m, d, g in rows]}))
+    return path
+
+
+def test_the_gloo_controller_is_chosen_only_where_measured_clearly_faster_on_every_model(tmp_path):
+    both = _rows(tmp_path, ("resnet18", 0.50, 0.44), ("gpt", 0.40, 0.36))
+    controller, why = measured_controller(both)
+    assert controller == "gloo" and why.startswith(MEASURED) and "0.88-0.90x" in why and "link (1gbit)" in why
+    assert measured_controller(_rows(tmp_path, ("resnet18", 0.56, 0.49), ("gpt", 0.31, 0.37))) is None
+    assert measured_controller(_rows(tmp_path, ("resnet18", 0.50, 0.49))) is None  # within the noise
+    assert measured_controller(tmp_path / "missing.json") is None
+
+
+def test_auto_takes_the_measured_controller_only_across_hosts(tmp_path, monkeypatch):
+    monkeypatch.setenv("HVDKIT_NETWORK_BENCH", str(_rows(tmp_path, ("resnet18", 0.56, 0.49))))
+    across, why = horovod_controller("auto", hosts="node1:1,node2:1")
+    assert across == "gloo" and why.startswith(MEASURED)
+    # one node never crosses the measured link; asked-for and elastic choices are not overridden
+    assert horovod_controller("auto", hosts="node1:2")[0] == "mpi"
+    assert horovod_controller("auto")[0] == "mpi"
+    assert horovod_controller("mpi", hosts="node1:1,node2:1") == ("mpi", "asked for")
+    monkeypatch.setenv("HVDKIT_NETWORK_BENCH", "")
+    assert horovod_controller("auto", hosts="node1:1,node2:1")[0] == "mpi"

@@ -26,7 +26,7 @@ from ..environments import usable_cores
 from ..errors import HvdkitError
 from .stats import ratio_ci, summarize
 
-__all__ = ["PATHS", "workloads", "exp_paths"]
+__all__ = ["PATHS", "clean_env", "exp_paths", "floor_steps", "prepare_models", "workloads"]
 
 HVDKIT = [sys.executable, "-m", "hvdkit"]
 REPO = Path(__file__).resolve().parents[2]  # a checkout: examples/ and tests/compat beside hvdkit/
@@ -63,24 +63,26 @@ def workloads(data: Path) -> dict[str, dict[str, Any]]:
     }
 
 
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment without a launcher's or Horovod's variables (a bench run inside a job
+    must not inherit the job's rank), unbuffered, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "SLURM_", "HOROVOD_"))}
     env.update({"PYTHONUNBUFFERED": "1", **(extra or {})})
     return env
 
 
-def _prepare(data: Path, names: list[str]) -> tuple[list[str], dict[str, str], list[str]]:
+def prepare_models(data: Path, names: list[str]) -> tuple[list[str], dict[str, str], list[str]]:
     """Import the data the models need; return the usable models, extra env, and notes."""
     notes, usable, extra_env = [], [], {}
     for name in names:
         spec = workloads(data)[name]
         need = spec.get("needs")
         if need == "torchvision":
-            ok = subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True, env=_env())
+            ok = subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True, env=clean_env())
             compat = REPO / "tests" / "compat"
             if ok.returncode != 0 and compat.is_dir():
                 shim = subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True,
-                                      env=_env({"PYTHONPATH": str(compat)}))
+                                      env=clean_env({"PYTHONPATH": str(compat)}))
                 if shim.returncode == 0:
                     extra_env["PYTHONPATH"] = str(compat)
                     notes.append("torchvision: its CUDA-only wheel on a CPU torch, through tests/compat")
@@ -90,14 +92,14 @@ def _prepare(data: Path, names: list[str]) -> tuple[list[str], dict[str, str], l
                 continue
             if not (data / "digits32" / "val.h5").exists():
                 subprocess.run([*HVDKIT, "data", "import-digits", str(data / "digits32"), "--image-size", "32",
-                                "--channels", "3"], check=True, capture_output=True, env=_env())
+                                "--channels", "3"], check=True, capture_output=True, env=clean_env())
         elif isinstance(need, Path):
             if not need.is_file():
                 notes.append(f"{name} skipped: {need} not found (run from a checkout)")
                 continue
             if not (data / "text" / "val.h5").exists():
                 subprocess.run([*HVDKIT, "data", "import-text", str(data / "text"), "--block", "64"],
-                               check=True, capture_output=True, env=_env())
+                               check=True, capture_output=True, env=clean_env())
         usable.append(name)
     return usable, extra_env, notes
 
@@ -139,8 +141,8 @@ def _one_path(path: str, spec: dict[str, Any], np_: int, epochs: int, steps: int
     return _epoch_steps(metrics, spec["batch"] * np_)
 
 
-def _floor(spec: dict[str, Any], np_: int, epochs: int, steps: int, env: dict[str, str], tmp: Path,
-           timeout: float) -> list[float]:
+def floor_steps(spec: dict[str, Any], np_: int, epochs: int, steps: int, env: dict[str, str], tmp: Path,
+                timeout: float) -> list[float]:
     """np concurrent one-rank processes (no communication): per epoch, the slowest one's step."""
     threads = str(max(1, usable_cores() // np_))
     procs, files = [], []
@@ -170,8 +172,8 @@ def exp_paths(cfg: Any, rep: Any) -> None:
     if DDP not in paths:
         paths.append(DDP)
     data = cfg.out / "data"
-    models, extra_env, notes = _prepare(data, list(cfg.path_models))
-    env = _env(extra_env)
+    models, extra_env, notes = prepare_models(data, list(cfg.path_models))
+    env = clean_env(extra_env)
     raw: dict[str, Any] = {"paths": paths, "models": models, "notes": notes, "blocks": []}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -182,7 +184,7 @@ def exp_paths(cfg: Any, rep: Any) -> None:
                 order = variants[r % len(variants):] + variants[:r % len(variants)]  # rotated per round
                 for path in order:
                     if path == "floor":
-                        steps_s = _floor(spec, cfg.np, cfg.path_epochs, cfg.path_steps, env, tmp, cfg.timeout_s)
+                        steps_s = floor_steps(spec, cfg.np, cfg.path_epochs, cfg.path_steps, env, tmp, cfg.timeout_s)
                     else:
                         steps_s = _one_path(path, spec, cfg.np, cfg.path_epochs, cfg.path_steps, env, tmp,
                                             cfg.timeout_s)

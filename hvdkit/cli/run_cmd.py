@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from ..advice import MEASURED
 from ..backends.traits import DEFAULT_BACKEND, LAUNCHABLE
 from ..environments import check_network_interface
 from ..errors import ConfigError
@@ -32,7 +33,7 @@ from ..launch.local import (
 )
 from ..launch.output import run_with_log
 from ..launch.vocabulary import BACKEND_VAR, CONSOLE_TTY_VAR, IFACE_VAR, check_iface_name, iface_env
-from ..log import debug
+from ..log import debug, diag
 from .common import config_option, ray_options, ray_spec, translate_errors, usable_output_path
 from .validate import check_program, check_train_args, is_program
 
@@ -98,7 +99,8 @@ def shield_from_horovodrun(args: tuple[str, ...]) -> tuple[list[str], dict[str, 
                                       "worker (docs/ray.md).")
 @click.option("--controller", type=click.Choice(CONTROLLERS), default="auto", show_default=True,
               help="horovodrun's controller. auto: MPI when Open MPI and an MPI-built Horovod are here "
-                   "(the faster), Gloo for --elastic or without them.")
+                   "(the faster), Gloo for --elastic or without them; across several hosts, Gloo where this "
+                   "cluster's network bench measured it clearly faster (docs/launching.md).")
 @click.option("-H", "--hosts", default=None, help="host:slots,... (default localhost:NP).")
 @click.option("--oversubscribe/--no-oversubscribe", default=None,
               help="Allow more ranks than cores (default: automatic).")
@@ -166,8 +168,9 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
     try:  # every mistake in the launch itself is a usage error, found before anything starts
         chosen = local_launcher(backend, launcher)
         if chosen == "horovodrun":
-            controller, why = horovod_controller(controller, elastic)
-            debug(f"horovodrun controller: {controller} ({why})")
+            controller, why = horovod_controller(controller, elastic, hosts=hosts)
+            # a default that a measurement chose is said aloud; the built-in one only in DEBUG
+            (diag if why.startswith(MEASURED) else debug)(f"horovodrun controller: {controller} ({why})")
         else:
             controller = "mpi"  # mpirun is MPI: there is no controller to choose
         nic = None

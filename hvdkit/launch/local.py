@@ -36,13 +36,17 @@ LAUNCHERS = ("horovodrun", "mpirun")
 CONTROLLERS = ("auto", "gloo", "mpi")
 
 
-def horovod_controller(requested: str = "auto", elastic: bool = False, python: str | None = None) -> tuple[str, str]:
+def horovod_controller(requested: str = "auto", elastic: bool = False, python: str | None = None,
+                       hosts: str | None = None) -> tuple[str, str]:
     """horovodrun's controller, and why: ``requested``, or for ``auto`` the fastest one usable.
 
     ``auto`` is MPI when Open MPI's ``mpirun`` is here and Horovod was built with MPI, unless
     the run is elastic (Horovod Elastic needs Gloo). Measured on this project's 2-core
     machines (mlp, 2 ranks): the MPI controller trains 1.2-1.9x faster than the Gloo one,
-    whose per-cycle negotiation goes over TCP even between ranks of one node.
+    whose per-cycle negotiation goes over TCP even between ranks of one node. Across nodes the
+    link decides: a run on several ``hosts`` takes Gloo where this cluster's network bench
+    measured it clearly faster on every model (:func:`hvdkit.advice.measured_controller`;
+    ResNet-18 over 1 Gbit/s: Open MPI's TCP allreduce 1.14x Gloo's ring), never by guess.
     """
     if requested not in CONTROLLERS:
         raise ConfigError(f"controller {requested!r} is not known", f"use one of: {', '.join(CONTROLLERS)}")
@@ -62,6 +66,12 @@ def horovod_controller(requested: str = "auto", elastic: bool = False, python: s
         return "gloo", "no mpirun here"
     if not horovod_has_mpi():
         return "gloo", "Horovod was built without MPI"
+    if hosts and len({name for name, _ in parse_hosts(hosts)}) > 1:
+        from ..advice import measured_controller
+
+        measured = measured_controller()
+        if measured:
+            return measured
     return "mpi", "Open MPI and an MPI-built Horovod are here (faster than Gloo)"
 
 
