@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from ...config import CompressionSpec
 
-__all__ = ["PowerSGD", "STATE_KEY"]
+__all__ = ["wire_elements", "PowerSGD", "STATE_KEY"]
 
 STATE_KEY = "powersgd"  # its entry in the optimizer's state dict (hvdkit's checkpoints)
 MIN_COMPRESSION_RATE = 2  # torch's default: compress a matrix only if it shrinks more than 2x
@@ -51,6 +51,17 @@ def _matrices(shapes: Sequence[torch.Size], rank: int) -> list[tuple[int, int, i
         if (n + m) * r * MIN_COMPRESSION_RATE < n * m:
             groups[(n, m)].append((i, n, m, r))
     return [entry for group in groups.values() for entry in group]
+
+
+def wire_elements(shapes: Sequence[torch.Size], rank: int) -> dict[str, int]:
+    """What PowerSGD sends for one bucket of parameters of ``shapes``, in elements: the
+    uncompressed rest, P (n x r per matrix) and Q (m x r), and the products' size (sum of
+    n·m·r) that measures its arithmetic. The cost model (:mod:`hvdkit.bench.costmodel`) uses it."""
+    mats = _matrices(shapes, rank)
+    compressed = {i for i, *_ in mats}
+    plain = sum(int(torch.Size(s).numel()) for i, s in enumerate(shapes) if i not in compressed)
+    return {"plain": plain, "p": sum(n * r for _, n, _, r in mats), "q": sum(m * r for _, _, m, r in mats),
+            "products": sum(n * m * r for _, n, m, r in mats)}
 
 
 def _maybe(allreduce_sum: Callable[[torch.Tensor, str], Wait], tensor: torch.Tensor, name: str) -> Wait:
