@@ -132,14 +132,7 @@ def _trainable(config: dict[str, Any], *, out: str, spec: SweepSpec, trials: lis
     flag = Path(out) / PREEMPT_FLAG
     stopped = Path(out) / "trials" / PREEMPTED_DIR / tune.get_context().get_trial_id()
 
-    def on_epoch(event: dict[str, Any]) -> None:
-        metrics = {k: v for k, v in event.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        metrics["final_loss"] = metrics.get("loss", float("nan"))
-        metrics["epochs"] = int(event["epoch"]) + 1
-        metrics["exploited_from"] = -1 if exploited is None else int(exploited)
-        metrics["lr"] = float(params.get("lr", float("nan")))
-        metrics["hvdkit_trial"] = index
-        path = event.get("checkpoint")
+    def report(metrics: dict[str, Any], path: str | None) -> None:
         if not path or not Path(path).exists():
             tune.report(metrics)
             return
@@ -147,6 +140,24 @@ def _trainable(config: dict[str, Any], *, out: str, spec: SweepSpec, trials: lis
             shutil.copy2(path, Path(tmp) / Path(path).name)
             (Path(tmp) / "origin.json").write_text(json.dumps({"trial": index, "epoch": metrics["epochs"]}))
             tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
+
+    last: list[tuple[dict[str, Any], str | None]] = []  # the final epoch's report, held back
+
+    def on_epoch(event: dict[str, Any]) -> None:
+        metrics = {k: v for k, v in event.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        metrics["final_loss"] = metrics.get("loss", float("nan"))
+        metrics["epochs"] = int(event["epoch"]) + 1
+        metrics["exploited_from"] = -1 if exploited is None else int(exploited)
+        metrics["lr"] = float(params.get("lr", float("nan")))
+        metrics["hvdkit_trial"] = index
+        if metrics["epochs"] >= budget(spec):
+            # Tune stops a trial at its last epoch (the stop criterion, ASHA's max_t) and ends
+            # this trainable with it: reported now, the ranks could be killed before hvdkit
+            # train writes its metrics file, and a finished trial would read as pruned (seen in
+            # CI). Reported once the ranks have exited.
+            last.append((metrics, event.get("checkpoint")))
+            return
+        report(metrics, event.get("checkpoint"))
 
     console = _TrialConsole(Path(out) / "trials" / f"trial-{index:03d}.log", on_epoch)
     if origin:
@@ -179,6 +190,8 @@ def _trainable(config: dict[str, Any], *, out: str, spec: SweepSpec, trials: lis
     console.file.close()
     if code != 0:
         raise RuntimeError(f"trial {index}'s ranks exited with {code}; see {console.file.name}")
+    for metrics, path in last[-1:]:
+        report(metrics, path)
 
 
 def _scheduler(spec: SweepSpec) -> Any:
@@ -197,6 +210,12 @@ def _scheduler(spec: SweepSpec) -> Any:
                                        hyperparam_mutations=mutations, quantile_fraction=0.5, synch=False,
                                        **metric_mode)
     return FIFOScheduler()
+
+
+def budget(spec: SweepSpec) -> int:
+    """A trial's epochs: where Tune stops it, and the report the trainable holds back until its
+    ranks have finished."""
+    return int(spec.fixed.get("epochs", 1))
 
 
 def _tune_metric(spec: SweepSpec) -> str:
@@ -249,7 +268,7 @@ def run_tune(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend: 
             run_config=tune.RunConfig(name=EXPERIMENT, storage_path=storage, verbose=0,
                                       callbacks=[TunePreemption(out)],  # restored with the experiment
                                       # ended at its last epoch, not paused there for PBT to resume
-                                      stop={"epochs": int(spec.fixed.get("epochs", 1))},
+                                      stop={"epochs": budget(spec)},
                                       failure_config=tune.FailureConfig(max_failures=max_failures),
                                       # PBT exploits older checkpoints of other trials: keep them all
                                       checkpoint_config=tune.CheckpointConfig(
