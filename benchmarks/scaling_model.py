@@ -4,8 +4,9 @@ Three parts, one report (JSON, markdown, plot):
 
 1. **Fit and check.** Every (link, model, variant) point the network bench measured
    (benchmarks/network.py: 2 ranks on 2 nodes of the local cluster) is predicted from that
-   run's compute floor, the model's real bucket plan for the variant, and the link's alpha/B
-   (from the bench's own allreduce of each model's gradient bytes on that link). This
+   run's compute floor, the model's real bucket plan for the variant, when backward makes
+   each gradient (the layers' FLOPs), and the link's bandwidth (the bench's own allreduce of
+   each model's gradient bytes on that link). This
    machine's overheads (how much of compute backward is, what a byte and a collective cost the
    shared cores, PowerSGD's products) are fitted by least squares on log step time. Reported:
    every point's error, the share within +-15%, and the same with each link left out of the
@@ -26,6 +27,7 @@ import math
 import runpy
 import statistics
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,11 +43,11 @@ from hvdkit.backends.buckets import FIRST_BUCKET_BYTES, plan_buckets  # noqa: E4
 from hvdkit.backends.hvd_reducer import plan_allreduce_buckets  # noqa: E402
 from hvdkit.backends.powersgd import wire_elements  # noqa: E402
 from hvdkit.bench.costmodel import Link, Message, Overheads, messages, step_time  # noqa: E402
-from hvdkit.config import POWERSGD_DEFAULTS  # noqa: E402
+from hvdkit.config import POWERSGD_DEFAULTS, DDPOptions  # noqa: E402
 
 RUNS = [ROOT / "docs" / "bench" / "network" / p / "network.json" for p in ("unshaped", "10gbit", ".")]
 HOROVOD_CYCLE_S = 1e-3       # Horovod 0.28's HOROVOD_CYCLE_TIME default
-DDP_BUCKET_MB = 25.0         # torch's bucket_cap_mb default; hvdkit's reducer uses the same
+DDP_BUCKET_MB = DDPOptions.bucket_cap_mb  # torch's default; hvdkit's Horovod reducer has the same
 STACKS = ("horovod mpi", "horovod gloo", "ddp")
 WITHIN = 0.15
 
@@ -97,25 +99,28 @@ def ready_fractions(model: torch.nn.Module, example: torch.Tensor) -> list[float
 
 
 def layouts(names: Sequence[str]) -> dict[str, tuple[list[torch.nn.Parameter], list[float]]]:
-    """The bench's models, built as it builds them: trainable parameters (registration order)
-    and when backward makes each gradient, for one batch of the bench's shape."""
-    from hvdkit.models import build_model
+    """The bench's models, built from the bench's own arguments (hvdkit.bench.paths.workloads):
+    trainable parameters (registration order) and when backward makes each gradient, for one
+    batch of the bench's size and shape."""
+    from hvdkit.bench.paths import workloads
+    from hvdkit.factories import parse_args
+    from hvdkit.models import MODELS, build_model
 
     out = {}
     for name in names:
-        if name == "resnet18":
+        spec = workloads(Path(tempfile.gettempdir()))[name]
+        argv = spec["args"]
+        model_args = parse_args(argv[i + 1] for i, a in enumerate(argv) if a == "--model-arg")
+        target = argv[argv.index("--model") + 1]
+        if "torchvision" in target:
             _torchvision()
-            model = build_model("torchvision.models:resnet18", args={"num_classes": 10})
-            example = torch.randn(32, 3, 32, 32)  # the bench's digits at 32x32, batch 32
-        elif name == "gpt":
-            model = build_model(f"{ROOT / 'examples' / 'models.py'}:gpt",
-                                args={"vocab_size": 96, "n_layer": 6, "n_embd": 256, "n_head": 8, "block_size": 64})
-            example = torch.randint(0, 96, (16, 64))
-        else:  # a built-in (the tests' small models)
-            from hvdkit.models import MODELS
-
-            model = build_model(name)
-            example = torch.randn(8, *MODELS[name].input_shape)
+        model = build_model(target, args=model_args)
+        if "--task" in argv and argv[argv.index("--task") + 1] == "language-model":
+            example = torch.randint(0, model_args["vocab_size"], (spec["batch"], model_args["block_size"]))
+        elif target in MODELS:
+            example = torch.randn(spec["batch"], *MODELS[target].input_shape)
+        else:  # the bench's images: digits at 32x32, 3 channels
+            example = torch.randn(spec["batch"], 3, 32, 32)
         out[name] = ([p for p in model.parameters() if p.requires_grad], ready_fractions(model, example))
     return out
 
