@@ -202,7 +202,7 @@ def main() -> None:
     ap.add_argument("--plot-only", action="store_true", help="redraw OUT/network.png from OUT/network.json")
     ap.add_argument("--use-saved", type=Path, default=None,
                     help="let the runs read this saved bench result, as a user's runs on this cluster do "
-                         "(the defaults it changes: the controller across hosts)")
+                         "(the defaults it changes: the controller across hosts); such a run is never saved")
     ap.add_argument("--resummarize", action="store_true",
                     help="recompute OUT/network.json's rows from its blocks and rewrite its table and plot")
     opts = ap.parse_args()
@@ -265,7 +265,9 @@ def main() -> None:
                                "floors": floors, "grad_bytes": grad_bytes, "blocks": blocks})
     text = write_outputs(report, opts.out)
     saved = bench_file()
-    if not opts.no_save and saved is not None:  # where training and hvdkit run look (hvdkit.advice)
+    if SAVED:  # measured under an earlier result's choices: not a clean result to decide from
+        print("not saved for hvdkit's advice and controller choice: this run read a saved result (--use-saved)")
+    elif not opts.no_save and saved is not None:  # where training and hvdkit run look (hvdkit.advice)
         saved.parent.mkdir(parents=True, exist_ok=True)
         saved.write_text((opts.out / "network.json").read_text())
         print(f"saved for hvdkit's advice and controller choice: {saved}")
