@@ -70,7 +70,7 @@ def ready_fractions(model: torch.nn.Module, example: torch.Tensor) -> list[float
     FLOPs of one forward and backward of ``example`` per layer (torch's FlopCounterMode; meta
     tensors are enough): backward runs the layers in reverse, so a layer's gradient is ready
     once every later layer and itself are done. A parameter used twice (tied embeddings) is
-    ready after its earlier use."""
+    ready only after its first use in forward, the last in backward."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
