@@ -43,11 +43,9 @@ from hvdkit.backends.buckets import FIRST_BUCKET_BYTES, plan_buckets  # noqa: E4
 from hvdkit.backends.hvd_reducer import plan_allreduce_buckets  # noqa: E402
 from hvdkit.backends.powersgd import wire_elements  # noqa: E402
 from hvdkit.bench.costmodel import Link, Message, Overheads, messages, step_time  # noqa: E402
-from hvdkit.config import POWERSGD_DEFAULTS, DDPOptions  # noqa: E402
 
 RUNS = [ROOT / "docs" / "bench" / "network" / p / "network.json" for p in ("unshaped", "10gbit", ".")]
 HOROVOD_CYCLE_S = 1e-3       # Horovod 0.28's HOROVOD_CYCLE_TIME default
-DDP_BUCKET_MB = DDPOptions.bucket_cap_mb  # torch's default; hvdkit's Horovod reducer has the same
 STACKS = ("horovod mpi", "horovod gloo", "ddp")
 WITHIN = 0.15
 
@@ -125,19 +123,25 @@ def layouts(names: Sequence[str]) -> dict[str, tuple[list[torch.nn.Parameter], l
     return out
 
 
-def _opt(argv: list[str], flag: str, default: str | None) -> str | None:
+def _opt(argv: list[str], flag: str, default: str) -> str:
     return argv[argv.index(flag) + 1] if flag in argv else default
 
 
 def knobs(variant: str) -> dict[str, Any]:
-    """A network-bench variant as the model's inputs: its stack, bucket cap, compression, cycle."""
+    """A network-bench variant as the model's inputs: its stack, bucket cap, compression and
+    cycle, read from its training options as ``hvdkit train`` parses them (defaults included)."""
+    from hvdkit.backends.traits import DEFAULT_BACKEND
+    from hvdkit.cli.train_cmd import build_train_config, train_command
+
     run, train = VARIANTS[variant]
-    backend = _opt(run, "--backend", "horovod")
-    stack = "ddp" if backend == "ddp" else f"horovod {_opt(run, '--controller', 'mpi')}"
-    cycle = _opt(train, "--cycle-time-ms", None)
-    return {"stack": stack, "bucket_mb": float(_opt(train, "--bucket-cap-mb", str(DDP_BUCKET_MB)) or DDP_BUCKET_MB),
-            "compression": (_opt(train, "--compression", "none") or "none").split(":")[0],
-            "cycle_s": float(cycle) / 1e3 if cycle else HOROVOD_CYCLE_S}
+    backend = _opt(run, "--backend", DEFAULT_BACKEND)
+    ctx = train_command.make_context("hvdkit train", ["--backend", backend, *train], resilient_parsing=False)
+    b = build_train_config(ctx.params).backend
+    # the bench's runs see no saved result, so horovodrun's auto controller is MPI there
+    stack = "ddp" if b.name == "ddp" else f"horovod {_opt(run, '--controller', 'mpi')}"
+    cycle = b.horovod.cycle_time_ms
+    return {"stack": stack, "bucket_mb": b.bucket_cap_mb, "compression": b.compression.kind,
+            "rank": b.compression.rank, "cycle_s": cycle / 1e3 if cycle is not None else HOROVOD_CYCLE_S}
 
 
 def collectives(layout: tuple[list[torch.nn.Parameter], list[float]], k: dict[str, Any]
@@ -153,7 +157,7 @@ def collectives(layout: tuple[list[torch.nn.Parameter], list[float]], k: dict[st
         return messages(sizes, plan, 0.5 if k["compression"] == "fp16" else 1.0, ready), 0.0
     out, products = [], 0.0
     for b, bucket in zip([b for b in plan if b], messages(sizes, plan, ready=ready)):  # its rest, P, Q
-        w = wire_elements([params[i].shape for i in b], POWERSGD_DEFAULTS["rank"])
+        w = wire_elements([params[i].shape for i in b], k["rank"])
         products += w["products"]
         size = params[b[0]].element_size()
         out += [Message(size * w[part], bucket.ready) for part in ("plain", "p", "q") if w[part]]
