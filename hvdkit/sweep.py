@@ -83,6 +83,13 @@ class SweepSpec:
         if self.scheduler in ("asha", "pbt"):
             self.asha_config()  # validates eta, grace and the budget now, not in a trial
 
+    @property
+    def epochs(self) -> int:
+        """A trial's epochs: ``fixed: {epochs: N}``, else ``hvdkit train``'s default."""
+        from .config import TrainConfig
+
+        return int(self.fixed.get("epochs", TrainConfig.epochs))
+
     def asha_config(self) -> AshaConfig:
         """Rungs and rule for this sweep; the budget is ``fixed: {epochs: N}``."""
         budget = self.fixed.get("epochs")
@@ -246,8 +253,7 @@ def best_trial(rows: list[dict[str, Any]], spec: SweepSpec) -> dict[str, Any] | 
 
 def budget_used(rows: list[dict[str, Any]], spec: SweepSpec) -> tuple[int, int]:
     """(trial-epochs trained, trial-epochs a full grid would train)."""
-    budget = int(spec.fixed.get("epochs", 2))
-    return sum(r["epochs"] for r in rows), budget * len(rows)
+    return sum(r["epochs"] for r in rows), spec.epochs * len(rows)
 
 
 def results_table(rows: list[dict[str, Any]], spec: SweepSpec) -> str:

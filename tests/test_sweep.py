@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from helpers import HVDKIT, base_env
+from hvdkit.config import TrainConfig
 from hvdkit.errors import ConfigError
 from hvdkit.sweep import SweepSpec, expand_trials, load_space, trial_args
 
@@ -37,6 +38,9 @@ def test_grid_random_and_args(tmp_path):
     with pytest.raises(ConfigError, match="metric 'accuracy' is not one training reports"):
         SweepSpec(metric="accuracy", grid={"lr": [0.1]})
     SweepSpec(metric="val_accuracy", mode="max", fixed={"val_fraction": 0.1}, grid={"lr": [0.1]})
+    # a trial's epochs (where Ray Tune stops it): fixed, else hvdkit train's own default
+    assert SweepSpec(fixed={"epochs": 5}, grid={"lr": [0.1]}).epochs == 5
+    assert SweepSpec(grid={"lr": [0.1]}).epochs == TrainConfig.epochs == 2
     bad = tmp_path / "s.yaml"
     bad.write_text("grid: {lr: [1]}\nsearch: x\n")
     with pytest.raises(ConfigError, match="unknown key"):

@@ -150,7 +150,7 @@ def _trainable(config: dict[str, Any], *, out: str, spec: SweepSpec, trials: lis
         metrics["exploited_from"] = -1 if exploited is None else int(exploited)
         metrics["lr"] = float(params.get("lr", float("nan")))
         metrics["hvdkit_trial"] = index
-        if metrics["epochs"] >= budget(spec):
+        if metrics["epochs"] >= spec.epochs:
             # Tune stops a trial at its last epoch (the stop criterion, ASHA's max_t) and ends
             # this trainable with it: reported now, the ranks could be killed before hvdkit
             # train writes its metrics file, and a finished trial would read as pruned (seen in
@@ -212,12 +212,6 @@ def _scheduler(spec: SweepSpec) -> Any:
     return FIFOScheduler()
 
 
-def budget(spec: SweepSpec) -> int:
-    """A trial's epochs: where Tune stops it, and the report the trainable holds back until its
-    ranks have finished."""
-    return int(spec.fixed.get("epochs", 1))
-
-
 def _tune_metric(spec: SweepSpec) -> str:
     return "final_loss" if spec.metric in ("final_loss", "loss") else spec.metric
 
@@ -268,7 +262,7 @@ def run_tune(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend: 
             run_config=tune.RunConfig(name=EXPERIMENT, storage_path=storage, verbose=0,
                                       callbacks=[TunePreemption(out)],  # restored with the experiment
                                       # ended at its last epoch, not paused there for PBT to resume
-                                      stop={"epochs": budget(spec)},
+                                      stop={"epochs": spec.epochs},
                                       failure_config=tune.FailureConfig(max_failures=max_failures),
                                       # PBT exploits older checkpoints of other trials: keep them all
                                       checkpoint_config=tune.CheckpointConfig(
