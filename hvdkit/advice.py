@@ -77,7 +77,8 @@ def measured_controller(path: Path | None = None) -> tuple[str, str] | None:
     """horovodrun's Gloo controller and why, when the network bench measured it clearly faster
     than the default (MPI) controller on *every* model it ran across this cluster's link; else
     None. Only a run that crosses that link (several hosts) should ask."""
-    found = _rows(path or bench_file())
+    path = path or bench_file()
+    found = _rows(path)
     if found is None:
         return None
     ratios, links = [], set()
@@ -92,7 +93,7 @@ def measured_controller(path: Path | None = None) -> tuple[str, str] | None:
     if not ratios:
         return None
     return "gloo", (f"{MEASURED} on this cluster's link ({', '.join(sorted(links))}): the network bench ran it at "
-                    f"{min(ratios):.2f}-{max(ratios):.2f}x the MPI controller's step time, {path or bench_file()}; "
+                    f"{min(ratios):.2f}-{max(ratios):.2f}x the MPI controller's step time, {path}; "
                     "--controller mpi overrides")
 
 
