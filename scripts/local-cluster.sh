@@ -17,7 +17,9 @@
 #   scripts/local-cluster.sh revive NODE        "reboot" NODE: slurmd and sshd again, node resumed
 #   scripts/local-cluster.sh down              stop everything it started, by recorded PID
 #   scripts/local-cluster.sh ray-up            a Ray cluster on the nodes: head on node1, a worker on
-#                                              every other node, over the fabric; waits until all joined
+#                                              every other node, over the fabric; waits until all joined;
+#                                              token authentication with a token of its own: join
+#                                              with RAY_AUTH_TOKEN_PATH=$STATE/ray-token
 #   scripts/local-cluster.sh ray-down          stop it (each node's Ray by its recorded PID's group)
 #
 # Each node is a Linux network namespace plus a UTS namespace (so `hostname` prints node1,
@@ -459,7 +461,7 @@ down() {
   local k n
   n="$(nodes_count)"
   for k in $(seq 1 "$MAX_NODES"); do stop_group "ray-node$k"; done
-  rm -rf /tmp/ray-hvk-node*
+  rm -rf /tmp/ray-hvk-node* "$STATE/ray-token"
   for name in slurmctld slurmd; do stop "$name"; done
   for k in $(seq 1 "$MAX_NODES"); do
     stop "slurmd-node$k"
@@ -507,33 +509,39 @@ stop_group() {
 ray_up() {
   need_root ray-up
   [ "$(mode)" = multi ] || die "ray-up needs the multi-node cluster; HINT: $0 up first"
-  local n k ray py head="$FAB_NET.1"
+  local n k ray py head="$FAB_NET.1" token="$STATE/ray-token" watch=()
   n="$(nodes_count)"
   ray="$(ray_bin)"
   py="$(dirname "$ray")/python"
-  if alive ray-node1; then log "ray already up (head $head:$RAY_PORT)"; return 0; fi
-  # token authentication (the token file is shared: one file system), no dashboard; each node
-  # its own temp dir, as on real machines; CPUs as Slurm declares them
-  start ray-node1 nsenter -t "$(node_pid node1)" -n -u -- env RAY_AUTH_MODE=token "$ray" start --head --block \
-    --node-ip-address "$head" --port "$RAY_PORT" --num-cpus "$CPUS_PER_NODE" --include-dashboard false \
-    --disable-usage-stats --temp-dir "/tmp/ray-hvk-node1"
+  if alive ray-node1; then log "ray already up (head $head:$RAY_PORT; token: RAY_AUTH_TOKEN_PATH=$token)"; return 0; fi
+  # token authentication with a token made for this cluster, in a file only root reads (never
+  # the user's ~/.ray); no dashboard; each node its own temp dir, as on real machines; CPUs as
+  # Slurm declares them
+  (umask 077 && "$py" -m hvdkit.rayrun.auth >"$token")
+  start ray-node1 nsenter -t "$(node_pid node1)" -n -u -- env RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$token" \
+    "$ray" start --head --block --node-ip-address "$head" --port "$RAY_PORT" --num-cpus "$CPUS_PER_NODE" \
+    --include-dashboard false --disable-usage-stats --temp-dir "/tmp/ray-hvk-node1"
   for k in $(seq 2 "$n"); do
-    start "ray-node$k" nsenter -t "$(node_pid "node$k")" -n -u -- env RAY_AUTH_MODE=token "$ray" start --block \
-      --address "$head:$RAY_PORT" --node-ip-address "$FAB_NET.$k" --num-cpus "$CPUS_PER_NODE" \
-      --disable-usage-stats --temp-dir "/tmp/ray-hvk-node$k"
+    start "ray-node$k" nsenter -t "$(node_pid "node$k")" -n -u -- env RAY_AUTH_MODE=token \
+      RAY_AUTH_TOKEN_PATH="$token" "$ray" start --block --address "$head:$RAY_PORT" --node-ip-address "$FAB_NET.$k" \
+      --num-cpus "$CPUS_PER_NODE" --disable-usage-stats --temp-dir "/tmp/ray-hvk-node$k"
   done
-  # joined when the cluster itself counts n live nodes (polled, never a fixed sleep)
-  if ! in_node node1 env RAY_AUTH_MODE=token "$py" -m hvdkit.rayrun.cluster wait "$head:$RAY_PORT" "$n" 120; then
+  for k in $(seq 1 "$n"); do watch+=(--watch "node$k" "$(cat "$(pidfile "ray-node$k")")" "$STATE/log/ray-node$k.out"); done
+  # joined when the cluster itself counts n live nodes (polled, never a fixed sleep); a node
+  # whose Ray exits ends the wait at once, quoting its log
+  if ! in_node node1 env RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$token" \
+      "$py" -m hvdkit.rayrun.cluster wait "$head:$RAY_PORT" "$n" 120 "${watch[@]}"; then
+    ray_down
     die "Ray did not come up; see $STATE/log/ray-node*.out"
   fi
-  log "ray up: head $head:$RAY_PORT (node1), $n node(s) joined; stop with: $0 ray-down"
+  log "ray up: head $head:$RAY_PORT (node1), $n node(s) joined; join with RAY_AUTH_TOKEN_PATH=$token; stop with: $0 ray-down"
 }
 
 ray_down() {
   need_root ray-down
   local k
   for k in $(seq 1 "$MAX_NODES"); do stop_group "ray-node$k"; done
-  rm -rf /tmp/ray-hvk-node*
+  rm -rf /tmp/ray-hvk-node* "$STATE/ray-token"
   log "ray down"
 }
 

@@ -5,8 +5,16 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/scripts/setup.sh"
+# The tests see a new machine's home: nothing an earlier run or earlier work left in ~/.ray,
+# ~/.cache or ~/.config can make them pass. What set-up may reuse (the Horovod wheel) was
+# found above through the real home, and is named explicitly for anything that needs it again.
+export HVDKIT_CACHE="${HVDKIT_CACHE:-$HOME/.cache/hvdkit}"
+TEST_HOME="$(mktemp -d "${TMPDIR:-/tmp}/hvdkit-test-home.XXXXXX")"
+trap 'rm -rf "$TEST_HOME"' EXIT
+export HOME="$TEST_HOME" XDG_CACHE_HOME="$TEST_HOME/.cache" XDG_CONFIG_HOME="$TEST_HOME/.config" \
+  XDG_DATA_HOME="$TEST_HOME/.local/share" XDG_STATE_HOME="$TEST_HOME/.local/state"
 "$ROOT/scripts/local-cluster.sh" up --nodes 2
-trap '"$ROOT/scripts/local-cluster.sh" down' EXIT
+trap '"$ROOT/scripts/local-cluster.sh" down; rm -rf "$TEST_HOME"' EXIT
 # shellcheck disable=SC1091
 source "${HVDKIT_VENV:-$ROOT/.venv}/bin/activate"
 cd "$ROOT"

@@ -10,6 +10,7 @@ runs across its namespaced nodes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -227,6 +228,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def stop_process_group(proc: subprocess.Popen, grace: float = 5.0, timeout: float = 30.0) -> None:
+    """Stop the process group ``proc`` leads (started with ``start_new_session``): TERM, up to
+    ``grace`` s for the leader, then KILL whatever of the group is left, and wait until it is
+    empty (a daemon such as 'ray start --block' shuts its children down after the leader's TERM,
+    and a check right after would still see them). A group already gone is no error."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=timeout)
+
+    def group_empty() -> bool:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_until(group_empty, timeout, f"process group {proc.pid} to end")
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:

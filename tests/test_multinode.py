@@ -13,8 +13,10 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,8 +37,10 @@ from helpers import (
     read_metrics,
     render,
     sbatch,
+    stop_process_group,
     wait_done,
     wait_for_text,
+    wait_until,
 )
 from hvdkit.cli import cli
 
@@ -421,36 +425,142 @@ def test_an_exception_on_one_node_ends_the_job_promptly_under_srun(tmp_path, bac
     assert node == f"node{int(rank) + 1}"  # one task per node, in rank order
 
 
-@pytest.mark.timeout(600)  # measured 40 s on 2 cores
-def test_ray_cluster_across_two_nodes_one_rank_per_node_gives_the_local_digest(tmp_path):
-    """scripts/local-cluster.sh ray-up: a Ray head on node1 and a worker on node2, joined over
-    the fabric; 'hvdkit run --launcher ray --ray-placement spread' from node1 puts one rank on
-    each node, on both backends, and ends on the weights of a one-machine horovodrun run."""
-    pytest.importorskip("ray")
-    args = ["--", "--model", "mlp", "--epochs", "2", "--steps-per-epoch", "8", "--num-samples", "1024"]
-    local = subprocess.run([sys.executable, "-m", "hvdkit", "run", "-np", "2", *args], env=base_env(),
-                           capture_output=True, text=True, timeout=300)
+RAY_MLP = ["--model", "mlp", "--epochs", "2", "--steps-per-epoch", "8", "--num-samples", "1024"]
+RAY_HEAD = "10.233.2.1"  # node1 on the fabric
+RAY_HEAD_IP_RE = r"10\.233\.\d\.1"  # node1, on the network its name resolves to, or the fabric
+
+
+def ray_run_on_node1(address: str, backend: str, env: dict[str, str]) -> str:
+    """'hvdkit run --launcher ray --ray-placement spread' from node1, joined to ``address``:
+    asserts one rank on each node, returns the digest."""
+    passed = {k: v for k, v in base_env(**env).items()
+              if k in ("PYTHONPATH", "OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "HOME", *env)}
+    proc = subprocess.run([str(CLUSTER), "exec", "node1", "--", "env", *[f"{k}={v}" for k, v in passed.items()],
+                           sys.executable, "-m", "hvdkit", "run", "-np", "2", "--launcher", "ray", "--ray-address",
+                           address, "--ray-placement", "spread", "--iface", "eth1", "--backend", backend, "--",
+                           *RAY_MLP], capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    done = re.search(r"done: backend=(\w+) .* digest=(\w+) ranks=0@(\w+):\d+ 1@(\w+):\d+", out)
+    assert proc.returncode == 0 and done and done.group(1) == backend, out[-2000:]
+    assert {done.group(3), done.group(4)} == {"node1", "node2"}, out[-1000:]  # one rank per node
+    return done.group(2)
+
+
+def mpirun_digest(backend: str) -> str:
+    local = subprocess.run([sys.executable, "-m", "hvdkit", "run", "-np", "2", "--launcher", "mpirun", "--backend",
+                            backend, "--", *RAY_MLP], env=base_env(), capture_output=True, text=True, timeout=300)
     assert local.returncode == 0, local.stderr[-2000:]
-    cluster("ray-up", timeout=300)
-    try:
-        for backend in ("ddp", "horovod"):
-            out = cluster("exec", "node1", "--", "env", *[f"{k}={v}" for k, v in base_env().items()
-                                                            if k in ("PYTHONPATH", "OMPI_ALLOW_RUN_AS_ROOT",
-                                                                     "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")],
-                          sys.executable, "-m", "hvdkit", "run", "-np", "2", "--launcher", "ray", "--ray-address",
-                          "10.233.2.1:6379", "--ray-placement", "spread", "--iface", "eth1", "--backend", backend,
-                          *args, timeout=300)
-            done = re.search(r"done: backend=(\w+) .* digest=(\w+) ranks=0@(\w+):\d+ 1@(\w+):\d+", out)
-            assert done and done.group(1) == backend, out[-2000:]
-            assert {done.group(3), done.group(4)} == {"node1", "node2"}, out[-1000:]  # one rank per node
-            assert done.group(2) == re.search(r"digest=(\w+)", local.stdout).group(1)
-    finally:
-        cluster("ray-down", timeout=120)
-    for node in ("node1", "node2"):  # ray-down stopped every Ray process, found by recorded PID
+    return re.search(r"digest=(\w+)", local.stdout).group(1)
+
+
+def no_ray_left(nodes: tuple[str, ...] = ("node1", "node2")) -> None:
+    """No raylet or GCS is left on the nodes (found by namespace membership, not by name)."""
+    for node in nodes:
         pids = cluster("pids", node).split()
         left = subprocess.run(["ps", "-o", "args=", "-p", ",".join(pids)], capture_output=True, text=True,
                               timeout=30).stdout if pids else ""
         assert "raylet" not in left and "gcs_server" not in left, left
+
+
+@pytest.mark.timeout(600)  # measured 30 s on 2 cores
+def test_ray_up_cluster_has_its_own_token_and_ray_down_stops_it_by_pid(tmp_path):
+    """scripts/local-cluster.sh ray-up: a Ray head on node1 and a worker on node2, joined over
+    the fabric, with a token made for it (in a root-only file, never ~/.ray); a command given
+    that file joins it and puts one rank on each node; ray-down leaves no Ray process."""
+    pytest.importorskip("ray")
+    out = cluster("ray-up", timeout=300)
+    try:
+        token = Path(re.search(r"join with RAY_AUTH_TOKEN_PATH=(\S+);", out).group(1))
+        assert token.stat().st_mode & 0o077 == 0 and len(token.read_text().strip()) == 64
+        digest = ray_run_on_node1(f"{RAY_HEAD}:6379", "horovod", {"RAY_AUTH_TOKEN_PATH": str(token)})
+    finally:
+        cluster("ray-down", timeout=120)
+    assert digest == mpirun_digest("horovod")
+    assert not token.exists() and not (Path.home() / ".ray").exists()
+    no_ray_left()
+
+
+@contextlib.contextmanager
+def users_ray_cluster(home: Path, port: int, auth: bool) -> Iterator[None]:
+    """A Ray cluster started the way Ray's docs show: 'ray start --head' on node1, then 'ray start
+    --address' on node2. With ``auth``, as Ray's token-authentication docs do: RAY_AUTH_MODE=token
+    and 'ray get-auth-token --generate' (the token in ``home``/.ray/auth_token) first. Each
+    'ray start --block' is stopped through its process group at the end."""
+    ray = str(Path(sys.executable).parent / "ray")
+    env = {"HOME": str(home), **({"RAY_AUTH_MODE": "token"} if auth else {})}
+    if auth:
+        subprocess.run([ray, "get-auth-token", "--generate"], env={**os.environ, **env}, check=True,
+                       capture_output=True, timeout=120)
+    procs: list[subprocess.Popen] = []
+    logs = [home / f"ray-node{k}.log" for k in (1, 2)]
+    temp = Path(tempfile.mkdtemp(prefix="hvk-ray-"))  # short: Ray's socket paths must fit 107 bytes
+    try:
+        for k, role in ((1, ["--head", "--port", str(port)]), (2, ["--address", f"{RAY_HEAD}:{port}"])):
+            with logs[k - 1].open("w") as log:
+                procs.append(subprocess.Popen(
+                    [str(CLUSTER), "exec", f"node{k}", "--", "env", *[f"{a}={b}" for a, b in env.items()], ray,
+                     "start", "--block", *role, "--node-ip-address", f"10.233.2.{k}", "--num-cpus", "2",
+                     "--disable-usage-stats", "--temp-dir", str(temp / f"node{k}")],
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            log, proc = logs[k - 1], procs[-1]
+            wait_until(lambda: "Ray runtime started" in log.read_text() or proc.poll() is not None,  # noqa: B023
+                       120, f"Ray to start on node{k}")
+            assert procs[-1].poll() is None, logs[k - 1].read_text()[-2000:]
+        yield
+    finally:
+        for proc in procs:
+            stop_process_group(proc)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.timeout(900)  # measured 95 s on 2 cores
+def test_hvdkit_joins_a_users_own_ray_cluster_with_and_without_token_authentication(tmp_path):
+    """A user's own Ray cluster across two nodes, started as Ray's docs say, once without
+    authentication and once with a token ('ray get-auth-token --generate', RAY_AUTH_MODE=token
+    on every node). 'hvdkit run --launcher ray --ray-address' joins each the way it runs (the
+    token from the user's ~/.ray/auth_token, or none) and ends on mpirun's digest on both
+    backends; neither hvdkit nor the test leaves a token where there was none."""
+    pytest.importorskip("ray")
+    from hvdkit.environments import find_free_port
+
+    expected = {backend: mpirun_digest(backend) for backend in ("ddp", "horovod")}
+    for auth in (False, True):
+        home = tmp_path / ("token" if auth else "open")
+        home.mkdir()
+        port = find_free_port("127.0.0.1")
+        with users_ray_cluster(home, port, auth):
+            for backend in ("ddp", "horovod"):
+                assert ray_run_on_node1(f"{RAY_HEAD}:{port}", backend, {"HOME": str(home)}) == expected[backend]
+        assert (home / ".ray" / "auth_token").exists() == auth  # only Ray's own --generate made one
+    no_ray_left()
+
+
+@pytest.mark.timeout(300)  # measured 8 s on 2 cores
+def test_a_ray_step_that_exits_ends_the_ray_job_at_once_naming_the_node_and_rays_error(tmp_path):
+    """hvdkit slurm --engine ray with the head's 'ray start' failing (its temp dir /tmp/ray-JOBID
+    is taken by a file, made while the job was held): the job ends FAILED within 30 s of its
+    release, not after the 300 s join timeout, with one line naming node1 and Ray's error."""
+    pytest.importorskip("ray")
+    script = render(tmp_path, "raydies", "-N", "2", "--tasks-per-node", "1", "--engine", "ray", "--backend", "ddp",
+                    "--", *RAY_MLP)
+    job = sbatch(script, tmp_path, "--hold")
+    blocker = Path(f"/tmp/ray-{job}")
+    blocker.write_text("not a directory\n")
+    try:
+        released = time.monotonic()
+        subprocess.run(["scontrol", "release", job], check=True, timeout=30)
+        assert wait_done(job, timeout=200) == "FAILED"
+        assert time.monotonic() - released < 30
+    finally:
+        blocker.unlink()
+    log = (tmp_path / f"raydies-{job}.out").read_text()
+    errors = [line for line in log.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, log[-3000:]
+    assert re.match(rf"Error: Ray on node1 exited before the cluster at {RAY_HEAD_IP_RE}:\d+ formed: "
+                    rf"FileExistsError: \[Errno 17\] File exists: '/tmp/ray-{job}' \(its whole log: "
+                    rf"ray-{job}-node1.out\)$", errors[0]), errors[0]
+    assert "Traceback" not in log
+    no_ray_left()
 
 
 @pytest.mark.timeout(900)  # measured 70 s on 2 cores

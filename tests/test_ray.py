@@ -14,11 +14,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from helpers import HVDKIT, ROOT, base_env, check, launch, wait_until
+from helpers import HVDKIT, ROOT, base_env, check, launch, stop_process_group, wait_until
 
 pytest.importorskip("ray")  # the [ray] extra: scripts/setup.sh installs it, so this runs in make test
 
@@ -28,13 +29,19 @@ DIGEST = re.compile(r"digest=(\w+)")
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory) -> str:
-    """One Ray head for the module, on 127.0.0.1; its process group is killed by PID at the end."""
+def head(tmp_path_factory) -> Iterator[str]:
+    """One Ray head for the module, on 127.0.0.1, with a token of its own (given to the commands
+    that join it through the file RAY_AUTH_TOKEN_PATH names, as a user would); its process
+    group is killed by PID at the end."""
     from hvdkit.environments import find_free_port
+    from hvdkit.rayrun.auth import new_token
 
     port = find_free_port("127.0.0.1")
-    log = tmp_path_factory.mktemp("ray") / "head.log"
-    env = base_env(RAY_AUTH_MODE="token")
+    here = tmp_path_factory.mktemp("ray")
+    log, token = here / "head.log", here / "token"
+    token.write_text(new_token())
+    token.chmod(0o600)
+    env = base_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
     with log.open("w") as out:
         proc = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
                                  "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "5",
@@ -44,25 +51,26 @@ def head(tmp_path_factory) -> str:
     try:
         wait_until(lambda: "Ray runtime started" in log.read_text() or proc.poll() is not None, 120,
                    "the Ray head to start")
-        assert proc.poll() is None, log.read_text()[-3000:]
+        assert proc.poll() is None, f"ray start --head exited {proc.returncode}: " + log.read_text()[-3000:]
+        JOIN_ENV["RAY_AUTH_TOKEN_PATH"] = str(token)
         yield address
-    finally:  # the head's whole process group (raylet, GCS, workers): TERM, then KILL after 3 s
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=3)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=30)
+    finally:
+        JOIN_ENV.clear()
+        stop_process_group(proc)
+
+
+JOIN_ENV: dict[str, str] = {}  # what a command needs to join the module's head (its token), set by head()
+
+
+def ray_env(**extra: str) -> dict[str, str]:
+    """base_env, with what joining the module's head takes."""
+    return base_env(**{**JOIN_ENV, **extra})
 
 
 def hvdkit(*args: str, timeout: float = 300, env: dict[str, str] | None = None,
            cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*HVDKIT, *args], env=base_env(**(env or {})), capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+    return subprocess.run([*HVDKIT, *args], env=ray_env(**(env or {})), capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +100,14 @@ def test_ray_launcher_trains_to_the_digest_of_horovodrun_and_mpirun(head, backen
 def test_ray_run_relays_a_preemption_signal_and_the_resumed_run_ends_on_the_same_bits(head, tmp_path):
     """SIGUSR1 to 'hvdkit run --launcher ray' (what Slurm sends a batch shell) reaches every rank,
     held at step 5: they checkpoint and exit 75; the rerun resumes and ends like a straight run.
-    The embedded Ray instance (no --ray-address) is the default users get: this test uses it."""
+    The embedded Ray instance (no --ray-address) is the default users get: this test uses it, in
+    a home of its own, where it must leave no ~/.ray/auth_token behind (Ray's own default would
+    write one, and the user's next 'ray start --head' would then turn authentication on)."""
     run = ["run", "-np", "2", "--launcher", "ray", "--backend", "ddp"]
+    home = tmp_path / "home"
+    home.mkdir()
     proc = subprocess.Popen([*HVDKIT, *run, "--", *MLP, "--checkpoint-dir", str(tmp_path / "ck")], text=True,
-                            env=base_env(HVDKIT_HOLD="step:5", HVDKIT_HOLD_RELEASE="signal"),
+                            env=base_env(HVDKIT_HOLD="step:5", HVDKIT_HOLD_RELEASE="signal", HOME=str(home)),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     lines: list[str] = []
     try:
@@ -112,6 +124,7 @@ def test_ray_run_relays_a_preemption_signal_and_the_resumed_run_ends_on_the_same
             os.killpg(proc.pid, signal.SIGKILL)
     out = "".join(lines)
     assert "preempted at step 5 by SIGUSR1; checkpoint saved" in out, out[-2000:]
+    assert not (home / ".ray").exists()
     resumed = hvdkit(*run, "--ray-address", head, "--", *MLP, "--checkpoint-dir", str(tmp_path / "ck"))
     straight = hvdkit(*run, "--ray-address", head, "--", *MLP)
     assert resumed.returncode == 0 == straight.returncode, resumed.stdout[-2000:]
@@ -130,7 +143,7 @@ def test_ray_refusals_are_one_line_before_anything_runs(head, tmp_path):
     shared.write_text("fixed: {model: mlp, epochs: 2, checkpoint_dir: ck}\ngrid: {lr: [0.1]}\n")
     plain = tmp_path / "p.yaml"
     plain.write_text("fixed: {model: mlp, epochs: 2}\ngrid: {lr: [0.1]}\n")
-    cases = [
+    cases: list[tuple] = [
         (["run", "--launcher", "ray", "--ray-address", closed, "--", "--model", "mlp"],
          f"no Ray cluster answers at {closed}"),
         (["run", "-np", "64", "--launcher", "ray", "--ray-address", head, "--", "--model", "mlp"],
@@ -153,14 +166,33 @@ def test_ray_refusals_are_one_line_before_anything_runs(head, tmp_path):
         (["sweep", "run", str(plain), "-N", "2", "--out", str(tmp_path / "o6")],
          "--nodes sizes the job of --engine ray --slurm"),
     ]
-    for args, expected in cases:
-        started = time.monotonic()
-        proc = hvdkit(*args, timeout=120)
-        said = [line for line in proc.stderr.splitlines() if line.strip()]
-        assert proc.returncode == 2 and expected in proc.stderr, (args, proc.stderr[-1500:])
-        assert len(said) == 1 or said[-1].startswith("Error:"), (args, said)
-        assert "Traceback" not in proc.stderr and time.monotonic() - started < 60, args
-    assert not (tmp_path / "ck").exists()
+    # joining a cluster with token authentication: no token, a wrong one; and something that
+    # answers TCP but is not Ray (an HTTP server)
+    import http.server
+    import threading
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    fresh = {"RAY_AUTH_TOKEN_PATH": "", "HOME": str(tmp_path / "home")}
+    join = ["run", "--launcher", "ray", "--ray-address", head, "--", "--model", "mlp"]
+    cases += [
+        (join, fresh, f"the Ray cluster at {head} uses token authentication and this shell has no token"),
+        (join, {"RAY_AUTH_TOKEN": "0" * 64}, f"the Ray cluster at {head} refused the token from RAY_AUTH_TOKEN"),
+        (join, {"RAY_AUTH_MODE": "disabled"}, f"RAY_AUTH_MODE=disabled, but the Ray cluster at {head} uses token"),
+        (["run", "--launcher", "ray", "--ray-address", f"127.0.0.1:{web.server_address[1]}", "--", "--model", "mlp"],
+         {}, "is not a Ray cluster's head"),
+    ]
+    try:
+        for args, env, expected in [c if len(c) == 3 else (c[0], {}, c[1]) for c in cases]:
+            started = time.monotonic()
+            proc = hvdkit(*args, timeout=120, env=env)
+            said = [line for line in proc.stderr.splitlines() if line.strip()]
+            assert proc.returncode == 2 and expected in proc.stderr, (args, proc.stderr[-1500:])
+            assert len(said) == 1 or said[-1].startswith("Error:"), (args, said)
+            assert "Traceback" not in proc.stderr and time.monotonic() - started < 60, args
+    finally:
+        web.shutdown()
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "home").exists()
     # Ray not installed: the same one line from every Ray option, naming the extra
     hidden = subprocess.run([sys.executable, "-c", "import sys; sys.modules['ray'] = None; "
                              "from hvdkit.cli import main; sys.argv = ['hvdkit'] + sys.argv[1:]; main()",
@@ -228,7 +260,7 @@ def test_tune_trial_whose_rank_is_killed_restarts_from_its_checkpoint_and_ends_o
     release = tmp_path / "release"
     out = tmp_path / "out"
     proc = subprocess.Popen([*HVDKIT, "sweep", "run", str(space), "--engine", "ray", "-np", "2", "--ray-address",
-                             head, "--out", str(out)], env=base_env(HVDKIT_HOLD="step:30",
+                             head, "--out", str(out)], env=ray_env(HVDKIT_HOLD="step:30",
                                                                      HVDKIT_HOLD_RELEASE=str(release)),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -263,7 +295,7 @@ def test_a_sweep_whose_driver_is_killed_resumes_with_tuner_restore(head, digits,
     space = _space(tmp_path, digits, "three.yaml", "grid: {lr: [0.003, 0.002, 0.001]}\n")
     out = tmp_path / "out"
     sweep = ["sweep", "run", str(space), "--engine", "ray", "-np", "2", "--ray-address", head]
-    proc = subprocess.Popen([*HVDKIT, *sweep, "--out", str(out)], env=base_env(), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([*HVDKIT, *sweep, "--out", str(out)], env=ray_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     log = out / "trials" / "trial-001.log"
     try:
@@ -289,3 +321,50 @@ def test_a_sweep_whose_driver_is_killed_resumes_with_tuner_restore(head, digits,
     for t in range(3):  # each trial trained from step 0 once at most
         assert (out / "trials" / f"trial-{t:03d}.log").read_text().count("start step 0,") <= 1, t
     assert "tune: restored from trial 1's checkpoint" in log.read_text()
+
+
+def test_find_token_follows_rays_order_and_an_unreadable_path_is_one_line(tmp_path):
+    """RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH names, else ~/.ray/auth_token (what
+    'ray get-auth-token' printed for each, checked on Ray 2.60); whitespace is stripped."""
+    from hvdkit.errors import ConfigError
+    from hvdkit.rayrun.auth import find_token
+
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("C" * 8 + "\n")
+    (tmp_path / "b").write_text("  BBBB \n")
+    home = {"HOME": str(tmp_path)}
+    assert find_token({**home, "RAY_AUTH_TOKEN": "AAAA", "RAY_AUTH_TOKEN_PATH": str(tmp_path / "b")}) == \
+        ("AAAA", "RAY_AUTH_TOKEN")
+    assert find_token({**home, "RAY_AUTH_TOKEN": "", "RAY_AUTH_TOKEN_PATH": str(tmp_path / "b")}) == \
+        ("BBBB", f"RAY_AUTH_TOKEN_PATH={tmp_path / 'b'}")
+    assert find_token(home) == ("C" * 8, str(tmp_path / ".ray" / "auth_token"))
+    assert find_token({"HOME": str(tmp_path / "nobody")}) is None
+    with pytest.raises(ConfigError, match="RAY_AUTH_TOKEN_PATH=.*missing cannot be read"):
+        find_token({**home, "RAY_AUTH_TOKEN_PATH": str(tmp_path / "missing")})
+
+
+def test_the_wait_names_a_ray_step_that_ended_with_its_logs_cause(tmp_path):
+    """A node's 'ray start' that has exited (here: a finished child, reaped or not) ends the
+    wait at once, quoting the line of its log that says why."""
+    from hvdkit.rayrun.cluster import RayStep, _check_steps, ray_log_cause
+
+    log = tmp_path / "ray-7-node2.out"
+    log.write_text("Traceback (most recent call last):\n  File 'x', line 1\n"
+                   "FileExistsError: [Errno 17] File exists: '/tmp/ray-7'\n\n")
+    assert ray_log_cause(str(log)) == "FileExistsError: [Errno 17] File exists: '/tmp/ray-7'"
+    assert ray_log_cause(str(tmp_path / "none")).startswith("(no log:")
+    done = subprocess.Popen(["true"])
+    wait_until(lambda: open(f"/proc/{done.pid}/stat").read().rpartition(")")[2].split()[0] == "Z", 30,
+               "the child to be a zombie")
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        _check_steps([RayStep("node1", alive.pid, str(log))], "10.0.0.1:6379")  # running: nothing said
+        with pytest.raises(SystemExit) as ended:
+            _check_steps([RayStep("node1", alive.pid, str(log)), RayStep("node2", done.pid, str(log))],
+                         "10.0.0.1:6379")
+    finally:
+        alive.kill()
+        alive.wait()
+        done.wait()
+    assert str(ended.value) == ("Error: Ray on node2 exited before the cluster at 10.0.0.1:6379 formed: "
+                                f"FileExistsError: [Errno 17] File exists: '/tmp/ray-7' (its whole log: {log})")

@@ -92,9 +92,9 @@ def test_setup_sh_plan_is_a_dry_run_that_reads_a_fake_nvidia_smi(tmp_path):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and not venv.exists()
 
 
-def test_set_up_scripts_are_shellcheck_clean():
+def test_set_up_and_example_scripts_are_shellcheck_clean():
     assert shutil.which("shellcheck"), "shellcheck missing: run scripts/setup.sh"
     scripts = [ROOT / "scripts" / n for n in ("setup.sh", "patch_horovod.sh", "test.sh", "local-cluster.sh")]
-    scripts.append(ROOT / "benchmarks" / "gpu_check.sh")
+    scripts += [ROOT / "benchmarks" / "gpu_check.sh", *(ROOT / "examples").glob("*.sbatch")]
     proc = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout

@@ -1,9 +1,10 @@
 """Which Ray cluster a run uses, what it refuses before starting, and the connection.
 
 No address: an embedded Ray instance on this machine for the run's lifetime (token
-authentication on, dashboard off, started and stopped by this process). ``--ray-address``
-(or ``RAY_ADDRESS``): an existing cluster, probed over TCP within ``CONNECT_TIMEOUT_S`` first,
-because ``ray.init`` itself waits far longer on an address nobody answers.
+authentication with a token of its own, dashboard off, started and stopped by this process).
+``--ray-address`` (or ``RAY_ADDRESS``): an existing cluster, probed over TCP within
+``CONNECT_TIMEOUT_S`` first, because ``ray.init`` itself waits far longer on an address nobody
+answers, then asked how it authenticates (:mod:`hvdkit.rayrun.auth`).
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ import contextlib
 import math
 import os
 import socket
-from collections.abc import Iterator, Mapping
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from .auth import join_env, own_cluster_env
 
 __all__ = ["RaySpec", "PLACEMENTS", "require_ray", "probe_address", "connect", "check_fits", "worker_env",
-           "wait_for_nodes", "CONNECT_TIMEOUT_S"]
+           "wait_for_nodes", "RayStep", "ray_log_cause", "CONNECT_TIMEOUT_S"]
 
 # pack: as few nodes as possible (Ray's PACK); spread: one rank per node (STRICT_SPREAD), the
 # layout of one rank per GPU node
@@ -63,8 +66,10 @@ def require_ray() -> None:
         raise ConfigError("Ray is not installed in this environment", RAY_EXTRA)
 
 
-def probe_address(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
-    """A TCP connection to the cluster's GCS at ``address`` (host:port) within ``timeout`` s."""
+def probe_address(address: str, timeout: float = CONNECT_TIMEOUT_S) -> dict[str, str]:
+    """A TCP connection to the cluster's GCS at ``address`` (host:port) within ``timeout`` s,
+    then how to join it: the ``RAY_AUTH_*`` variables to set before Ray is imported
+    (:func:`hvdkit.rayrun.auth.join_env`; a missing or wrong token is one line)."""
     if address.startswith("ray://"):
         raise ConfigError(f"--ray-address {address}: Ray Client (ray://) is not supported",
                           "give the head's GCS address host:6379, from a machine of the cluster")
@@ -77,6 +82,7 @@ def probe_address(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
         raise ConfigError(f"no Ray cluster answers at {address} ({exc.strerror or exc})",
                           "check the address 'ray start --head' printed, or leave --ray-address out "
                           "to start a local instance") from None
+    return join_env(address)
 
 
 def worker_env(extra: Mapping[str, str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -98,9 +104,9 @@ def connect(spec: RaySpec, extra_cpus: float = 0.0) -> Iterator[None]:
     """ray.init for the run's lifetime: the cluster at ``spec.address``, or an embedded instance
     (with ``extra_cpus`` beyond the ranks': a Tune trial's own share)."""
     require_ray()
-    if spec.address:
-        probe_address(spec.address)
-    os.environ.setdefault("RAY_AUTH_MODE", "token")  # Ray 2.60's token authentication, before import
+    # Ray reads its authentication mode at import: set first. A cluster of this process's own
+    # gets a token of its own (never written to ~/.ray); a cluster joined, the way it runs.
+    os.environ.update(probe_address(spec.address) if spec.address else own_cluster_env())
     import ray
 
     kwargs: dict = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR",
@@ -140,16 +146,59 @@ def check_fits(spec: RaySpec, what: str = "the run", extra_cpus: float = 0.0) ->
                               "use --ray-placement pack, or add nodes")
 
 
-def wait_for_nodes(address: str, nodes: int, timeout_s: float) -> None:
+@dataclass(frozen=True)
+class RayStep:
+    """One node's ``ray start --block`` job step, as the job script started it."""
+
+    node: str
+    pid: int   # the srun (or nsenter) process of the step, a child of the job script
+    log: str   # where the step's output goes
+
+
+def _step_ended(pid: int) -> bool:
+    """True when ``pid`` is gone, or a zombie its parent (the job script, busy waiting for this
+    process) has not reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def ray_log_cause(log: str, lines: int = 40) -> str:
+    """The line of a Ray log that says why it stopped: the last exception or error line of its
+    tail, else its last line."""
+    try:
+        with open(log, errors="replace") as f:
+            tail = [ln.strip() for ln in f.read().splitlines()[-lines:] if ln.strip()]
+    except OSError as exc:
+        return f"(no log: {exc.strerror or exc})"
+    for line in reversed(tail):
+        head = line.split(":", 1)[0]
+        if head.endswith(("Error", "Exception", "Exit")) or line.startswith(("Error", "error")):
+            return line[:300]
+    return tail[-1][:300] if tail else "(the log is empty)"
+
+
+def _check_steps(steps: Sequence[RayStep], address: str) -> None:
+    """Exit with one line when a node's Ray step has ended: nothing will join from there."""
+    for step in steps:
+        if _step_ended(step.pid):
+            sys.exit(f"Error: Ray on {step.node} exited before the cluster at {address} formed: "
+                     f"{ray_log_cause(step.log)} (its whole log: {step.log})")
+
+
+def wait_for_nodes(address: str, nodes: int, timeout_s: float, steps: Sequence[RayStep] = ()) -> None:
     """Until ``nodes`` Ray nodes are alive at ``address`` (the cluster's own count, polled), or
-    exit with one line after ``timeout_s``: what a job script runs instead of ``sleep``."""
+    exit with one line after ``timeout_s``, or as soon as one of the ``steps`` that start the
+    nodes has ended: what a job script runs instead of ``sleep``."""
     import logging
-    import sys
     import time
 
     deadline = time.monotonic() + timeout_s
     host, _, port = address.rpartition(":")
     while True:
+        _check_steps(steps, address)
         try:
             socket.create_connection((host, int(port)), timeout=2).close()
             break
@@ -157,12 +206,16 @@ def wait_for_nodes(address: str, nodes: int, timeout_s: float) -> None:
             if time.monotonic() > deadline:
                 sys.exit(f"Error: no Ray head answered at {address} within {timeout_s:.0f} s")
             time.sleep(0.5)
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    try:
+        os.environ.update(join_env(address))
+    except ConfigError as exc:
+        sys.exit(f"Error: {exc}")
     import ray
 
     ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False, configure_logging=True)
     try:
         while (alive := sum(1 for n in ray.nodes() if n.get("Alive"))) < nodes:
+            _check_steps(steps, address)
             if time.monotonic() > deadline:
                 sys.exit(f"Error: {alive} of {nodes} Ray nodes joined {address} within {timeout_s:.0f} s")
             time.sleep(0.5)
@@ -170,9 +223,23 @@ def wait_for_nodes(address: str, nodes: int, timeout_s: float) -> None:
         ray.shutdown()
 
 
-if __name__ == "__main__":  # python -m hvdkit.rayrun.cluster wait ADDRESS NODES TIMEOUT_S (slurm/ray.sbatch)
-    import sys
+USAGE = "usage: python -m hvdkit.rayrun.cluster wait ADDRESS NODES TIMEOUT_S [--watch NODE PID LOG]..."
 
-    if len(sys.argv) != 5 or sys.argv[1] != "wait":
-        sys.exit("usage: python -m hvdkit.rayrun.cluster wait ADDRESS NODES TIMEOUT_S")
-    wait_for_nodes(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+
+def _main(argv: Sequence[str]) -> None:
+    """``wait ADDRESS NODES TIMEOUT_S [--watch NODE PID LOG]...`` (slurm/ray.sbatch,
+    scripts/local-cluster.sh ray-up)."""
+    if len(argv) < 4 or argv[0] != "wait" or (len(argv) - 4) % 4:
+        sys.exit(USAGE)
+    rest = argv[4:]
+    steps = []
+    for i in range(0, len(rest), 4):
+        flag, node, pid, log = rest[i:i + 4]
+        if flag != "--watch" or not pid.isdigit():
+            sys.exit(USAGE)
+        steps.append(RayStep(node, int(pid), log))
+    wait_for_nodes(argv[1], int(argv[2]), float(argv[3]), steps)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
