@@ -18,7 +18,7 @@ from typing import Any
 from .. import __version__
 from ..backends.traits import DEFAULT_BACKEND, traits
 from ..errors import ConfigError, HvdkitError
-from .elastic import DEFAULT_ELASTIC_TIMEOUT
+from .discovery import DEFAULT_ELASTIC_TIMEOUT
 from .templates import Raw, check_env_name, render_template, template_dir
 from .vocabulary import (
     ELASTIC_LAUNCHER,
@@ -287,7 +287,7 @@ def _context(job: SlurmJob, template: str) -> dict[str, Any]:
 
 def _tune_state_pattern(sweep_dir: str) -> str:
     """The glob that matches once the sweep's Tune experiment has a saved state."""
-    from ..rayrun.tune import EXPERIMENT, STATE_GLOB, TUNE_DIR  # light: no Ray imported
+    from ..rayrun.layout import EXPERIMENT, STATE_GLOB, TUNE_DIR
 
     return f"{sweep_dir.rstrip('/')}/{TUNE_DIR}/{EXPERIMENT}/{STATE_GLOB}"
 

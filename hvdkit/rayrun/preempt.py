@@ -1,7 +1,9 @@
 """hvdkit's preemption contract for a whole Tune experiment (see hvdkit.rayrun.tune).
 
-Its own module because it subclasses Ray's ``Callback`` (Ray is imported here, at the top),
-and Tune pickles the callback with the experiment, so that ``Tuner.restore`` brings it back.
+Its own module because it subclasses Ray's ``Callback``, so Ray is imported here at the top
+(the one module of hvdkit that does: Tune pickles the callback with the experiment, so that
+``Tuner.restore`` brings it back, which needs a class defined at module level). Only
+:func:`hvdkit.rayrun.tune.run_tune` imports it, inside the function.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 from ray.tune import Callback
 
-from .tune import PREEMPT_FLAG, PREEMPT_GRACE_S, PREEMPTED_DIR
+from .layout import PREEMPT_FLAG, PREEMPT_GRACE_S, PREEMPTED_DIR
 
 __all__ = ["TunePreemption"]
 

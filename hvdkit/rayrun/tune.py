@@ -36,19 +36,13 @@ from ..observe import EPOCH_EVENTS_VAR, EPOCH_TAG
 from ..preemption import EXIT_PREEMPTED
 from ..sweep import SweepSpec, trial_args
 from .cluster import RaySpec, check_fits, worker_env
+from .layout import EXPERIMENT, PREEMPT_FLAG, PREEMPTED_DIR, PREEMPTED_MARK, TUNE_DIR
 
-__all__ = ["run_tune", "check_ray_sweep", "TUNE_DIR", "EXPERIMENT", "STATE_GLOB", "PREEMPT_GRACE_S"]
+__all__ = ["run_tune", "check_ray_sweep"]
 
-TUNE_DIR = "tune"          # under the sweep's --out: Tune's storage
-EXPERIMENT = "experiment"  # its one experiment's name (Tuner.restore reads DIR/tune/experiment)
-STATE_GLOB = "experiment_state-*.json"  # what Tune writes there once the experiment has a state
 # The trial itself only relays lines: it holds no resources (Tune's empty head bundle), so a
 # cluster of exactly K x np rank slots runs K trials at once.
 TRIAL_BUNDLE: dict[str, float] = {}
-PREEMPT_FLAG = "preempting"      # under --out: the driver got USR1; trials checkpoint and stop
-PREEMPTED_DIR = "preempted"      # under --out/trials: one file per trial whose ranks have stopped
-PREEMPTED_MARK = "preempted"     # in an attempt's checkpoint dir: its ranks checkpointed at the signal
-PREEMPT_GRACE_S = 60.0           # the most the driver waits for them (Slurm's --signal gives 90 s)
 
 
 def check_ray_sweep(spec: SweepSpec) -> None:
