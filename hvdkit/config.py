@@ -184,7 +184,29 @@ class HorovodOptions:
             if value is not None:
                 _positive(name, value, allow_zero=True)
 
-    def environment(self) -> dict[str, str]:
+    # -- what Horovod's own options cannot combine with (BackendConfig and TrainConfig ask the
+    #    section of the backend in use, so no check compares a backend's name) ----------------
+    def sharded_conflicts(self) -> tuple[tuple[bool, str], ...]:
+        """``(bad, option)`` pairs that ``--shard`` refuses: the sharded reduction averages."""
+        return ((self.op != "average", f"--hvd-op {self.op}"),)
+
+    def powersgd_conflicts(self) -> tuple[tuple[bool, str], ...]:
+        """What ``--compression powersgd`` refuses: it averages low-rank factors of whole buckets,
+        on hvdkit's bucketed reducer."""
+        return ((self.op != "average", f"--hvd-op {self.op}"),
+                (self.reducer != "bucketed", f"--hvd-reducer {self.reducer}"),
+                (self.gradient_predivide_factor != 1.0, "--predivide-factor"))
+
+    def check_step(self, clip_grad_norm: float | None, precision: str) -> None:
+        """Adasum reduces the update a local step made, inside step(): there is no reduced
+        gradient to unscale or clip first (Horovod refuses skip_synchronize with it)."""
+        if self.op == "adasum":
+            refuse_combinations("--hvd-op adasum", (
+                (clip_grad_norm is not None, "--clip-grad-norm"), (precision == "fp16", "--precision fp16")),
+                ": Adasum reduces each rank's update, so there is no reduced gradient to clip or unscale",
+                "drop {why}, or use --hvd-op average")
+
+    def env_vars(self) -> dict[str, str]:
         """The ``HOROVOD_*`` variables these options imply (set before Horovod initialises)."""
         env: dict[str, str] = {}
         if self.fusion_threshold_mb is not None:
@@ -228,6 +250,16 @@ class DDPOptions:
         if self.process_group_backend is not None:
             _choice("process group backend", self.process_group_backend, ("gloo", "nccl", "mpi"))
 
+    def sharded_conflicts(self) -> tuple[tuple[bool, str], ...]:
+        """Nothing of DDP's own options conflicts with ``--shard`` (HorovodOptions' counterpart)."""
+        return ()
+
+    def powersgd_conflicts(self) -> tuple[tuple[bool, str], ...]:
+        return ()
+
+    def check_step(self, clip_grad_norm: float | None, precision: str) -> None:
+        return None
+
 
 @dataclass(frozen=True)
 class BackendConfig:
@@ -244,17 +276,27 @@ class BackendConfig:
     ddp: DDPOptions = field(default_factory=DDPOptions)
 
     @property
+    def options(self) -> HorovodOptions | DDPOptions | None:
+        """This backend's own options section (``TRAITS[name].options``), None where it has none."""
+        section = TRAITS[self.name].options
+        return getattr(self, section) if section else None
+
+    @property
     def compression(self) -> CompressionSpec:
-        """The gradient compression of this backend (its own options section's)."""
-        return parse_compression(self.ddp.compression if TRAITS[self.name].options == "ddp"
-                                 else self.horovod.compression)
+        """The gradient compression of this backend (its own options section's; none without one)."""
+        return parse_compression(self.options.compression if self.options else "none")
+
+    @property
+    def timeline(self) -> str | None:
+        """``--timeline``: Horovod's own timeline, or another backend's profiler trace. It sits in
+        Horovod's section because Horovod reads it at init (``HOROVOD_TIMELINE``)."""
+        return self.horovod.timeline
 
     @property
     def bucket_cap_mb(self) -> float:
         """``--bucket-cap-mb`` from this backend's own options section (DDP's default where it
         has none); ZeRO's buckets use it too."""
-        section = TRAITS[self.name].options
-        return float(getattr(self, section).bucket_cap_mb if section else DDPOptions.bucket_cap_mb)
+        return float(self.options.bucket_cap_mb if self.options else DDPOptions.bucket_cap_mb)
 
     def __post_init__(self) -> None:
         _choice("backend", self.name, BACKENDS)
@@ -265,19 +307,16 @@ class BackendConfig:
             raise ConfigError(f"--shard full is not available with --backend {self.name}: it shards the parameters "
                               f"with FSDP2, which only {full} runs (each layer's weights gathered in forward and "
                               "backward)", f"use --shard optimizer (ZeRO-1/2, any backend), or {full} --shard full")
-        compression = self.compression
+        compression, section = self.compression, self.options
         if self.shard != "none":
             refuse_combinations(f"--shard {self.shard}", (
-                (own.options == "horovod" and self.horovod.op != "average", f"--hvd-op {self.horovod.op}"),
+                *(section.sharded_conflicts() if section else ()),
                 (compression.kind != "none", f"--compression {compression.kind}")),
                 " (the sharded reduction averages plain gradients)", "drop {why} or --shard")
-        if compression.kind == "powersgd" and own.options == "horovod":
-            refuse_combinations("--compression powersgd", (
-                (self.horovod.op != "average", f"--hvd-op {self.horovod.op}"),
-                (self.horovod.reducer != "bucketed", f"--hvd-reducer {self.horovod.reducer}"),
-                (self.horovod.gradient_predivide_factor != 1.0, "--predivide-factor")),
-                " (it averages low-rank factors of whole buckets, on hvdkit's bucketed reducer)",
-                "drop {why}")
+        if compression.kind == "powersgd" and section is not None:
+            refuse_combinations("--compression powersgd", section.powersgd_conflicts(),
+                                " (it averages low-rank factors of whole buckets, on hvdkit's bucketed reducer)",
+                                "drop {why}")
         if self.accumulation_steps < 1:
             raise ConfigError(
                 f"accumulation_steps must be >= 1, got {self.accumulation_steps}",
@@ -346,6 +385,28 @@ class TrainConfig:
     def has_validation(self) -> bool:
         """Validation data is named (a --dataset factory may bring its own: checked at set-up)."""
         return bool(self.val_data) or self.val_fraction > 0 or bool(self.dataset)
+
+    def import_paths(self) -> list[tuple[str, dict[str, Any], str, int]]:
+        """``(value, args, option, skip)`` of every object this run names by import path (model,
+        dataset, task, optimizer): what the CLI checks before anything runs. ``skip``: leading
+        parameters the call fills itself (an optimizer's parameters)."""
+        named: list[tuple[str | None, dict[str, Any], str, int]] = [
+            (self.model, self.model_args, "--model", 0), (self.dataset, self.dataset_args, "--dataset", 0),
+            (self.task, {}, "--task", 0), (self.optimizer, {"lr": self.lr, **self.optimizer_args}, "--optimizer", 1)]
+        return [(value, args, what, skip) for value, args, what, skip in named if value and is_import_path(value)]
+
+    def check_outputs(self) -> None:
+        """Every path the run will write can be written: found now, not after the training (a
+        metrics file) or at the first step (TensorBoard, the sample log, the timeline)."""
+        from .fileio import check_writable
+
+        for value, what, directory in ((self.metrics_file, "--metrics-file", False),
+                                       (self.sample_log, "--sample-log", False),
+                                       (self.tensorboard, "--tensorboard", True),
+                                       (self.backend.timeline, "--timeline", False),
+                                       (self.checkpoint_dir, "--checkpoint-dir", True)):
+            if value:
+                check_writable(value, what, directory)
 
     def __post_init__(self) -> None:
         _builtin_or_path("--model", self.model, MODEL_NAMES)
@@ -439,13 +500,8 @@ class TrainConfig:
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}", "e.g. 0.1")
         if self.clip_grad_norm is not None:
             _finite_positive("clip_grad_norm", self.clip_grad_norm)
-        if TRAITS[self.backend.name].options == "horovod" and self.backend.horovod.op == "adasum":
-            # Adasum reduces the update a local step made, inside step(): there is no reduced
-            # gradient to unscale or clip first (Horovod refuses skip_synchronize with it)
-            refuse_combinations("--hvd-op adasum", (
-                (self.clip_grad_norm is not None, "--clip-grad-norm"), (self.precision == "fp16", "--precision fp16")),
-                ": Adasum reduces each rank's update, so there is no reduced gradient to clip or unscale",
-                "drop {why}, or use --hvd-op average")
+        if self.backend.options is not None:
+            self.backend.options.check_step(self.clip_grad_norm, self.precision)
         if self.commit_every < 1:
             raise ConfigError("commit_every must be >= 1", "commit at least every step")
         if self.keep_checkpoints < 1:

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .backends.traits import LAUNCHABLE
 from .errors import first_line
 from .launch.vocabulary import root_mpi_env
 
@@ -294,6 +295,6 @@ def verdict(checks: list[Check]) -> tuple[bool, str]:
              "ddp-mpi": "DDP via mpirun+mpi4py", "slurm": "Slurm submission"}
     ready = [label for key, label in paths.items() if key not in failed]
     blocked = [label for key, label in paths.items() if key in failed]
-    core = "ddp" not in failed or "horovod" not in failed
+    core = any(name not in failed for name in LAUNCHABLE)  # some backend can run ranks
     line = f"ready: {', '.join(ready) or 'nothing'}" + (f"; not ready: {', '.join(blocked)}" if blocked else "")
     return core, line

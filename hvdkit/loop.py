@@ -6,7 +6,7 @@
 2. check one batch through the model on every rank before anything else (:func:`_check_data`);
 3. sync: resume the newest valid checkpoint, or take rank 0's weights (elastic: the newest commit);
 4. epochs of steps (:func:`_one_epoch`); at each epoch's end the loss, held-out metrics, ASHA's
-   rung and a checkpoint (:func:`_end_epoch`);
+   rung and a checkpoint (:func:`_step_tail`, the one tail of every step and epoch);
 5. check that every rank holds the same weights; rank 0 writes the metrics file.
 
 Every side effect (printing, files, requeue) is gated on ``run.master``, the *global* rank 0.
@@ -103,12 +103,13 @@ class TrainResult:
 
 def param_digest(model: nn.Module | dict[str, torch.Tensor]) -> str:
     """SHA-256 of all parameters and buffers (a module or its state dict), to compare ranks and
-    runs bit for bit. A wrapper's (DDP's) ``module`` is unwrapped: the same weights give the
-    same digest whatever holds them."""
-    while isinstance(model, nn.Module) and isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module  # type: ignore[assignment]
+    runs bit for bit. A wrapper's (DDP's, ``DataParallel``'s) ``module.`` prefix, on every key,
+    is dropped: the same weights give the same digest whatever holds them."""
+    state = model if isinstance(model, dict) else model.state_dict()
+    if state and all(name.startswith("module.") for name in state):
+        state = {name[len("module."):]: tensor for name, tensor in state.items()}
     h = hashlib.sha256()
-    for name, tensor in (model if isinstance(model, dict) else model.state_dict()).items():
+    for name, tensor in state.items():
         h.update(name.encode())
         h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
@@ -385,7 +386,7 @@ def _check_data(run: _Run) -> None:
     (the task says what is wrong), not hours later inside a collective. Eval mode and no
     gradients: nothing the check does changes the run.
     """
-    plain = run.backend.eval_module(run.model)
+    plain = run.backend.strategy.eval_module(run.model)
     problems = []
     for name, data in (("training", unwrap_dataset(run.train_data)), ("validation", run.val_data)):
         if data is None:
@@ -503,7 +504,7 @@ def _loop(run: _Run, preemption: Preemption) -> None:
     cfg, backend = run.cfg, run.backend
     _enter(run)
     # --timeline: Horovod writes its own (set at init); other backends take a profiler trace here
-    timeline = backend.profiler_trace_path(cfg.backend.horovod.timeline)
+    timeline = backend.profiler_trace_path()
     with preemption, step_profiler(timeline, run.master) as profiler:
         while not _at_limit(run) and run.progress.epoch < cfg.epochs:
             p = run.progress
@@ -513,12 +514,14 @@ def _loop(run: _Run, preemption: Preemption) -> None:
             if isinstance(run.train_data, SampleSeeded):
                 run.train_data.epoch = p.epoch
             first_sample, t0, waited = p.samples_in_epoch, time.perf_counter(), backend.comm_wait
-            if _one_epoch(run, sampler, preemption, profiler):
+            last = _one_epoch(run, sampler, preemption, profiler)
+            if last is None:
                 # at --max-steps mid-epoch: evaluated and saved; its loss so far is the final one
                 run.result.partial_loss = run.loss.mean(backend)
                 break
-            if not _end_epoch(run, p.samples_in_epoch - first_sample, time.perf_counter() - t0,
-                              backend.comm_wait - waited):
+            epoch = _EpochEnd(p.samples_in_epoch - first_sample, time.perf_counter() - t0,
+                              backend.comm_wait - waited)
+            if _step_tail(run, preemption, *last, epoch=epoch):
                 break  # ASHA pruned this trial
     if _at_limit(run) and run.master:
         run.log(f"stopped at max_steps={cfg.max_steps}{'; checkpoint saved' if run.ckpt else ''}")
@@ -556,15 +559,17 @@ def _epoch_steps(run: _Run, sampler: ShardSampler) -> list[_StepShare]:
 
 
 def _one_epoch(run: _Run, sampler: ShardSampler, preemption: Preemption,
-               profiler: Any) -> bool:
-    """The steps of the epoch from ``progress.samples_in_epoch``; True when the run ends before the
-    epoch does (``--max-steps``). A preemption raises :class:`Preempted` after its checkpoint."""
+               profiler: Any) -> tuple[bool, bool] | None:
+    """The steps of the epoch from ``progress.samples_in_epoch``. Returns what the ranks agreed
+    on during its last step (stop, non-finite), for the epoch's end to act on; None when the run
+    ends before the epoch does (``--max-steps``). A preemption raises :class:`Preempted` after
+    its checkpoint."""
     cfg, backend, geo = run.cfg, run.backend, run.geo
     loader = DataLoader(run.train_data, batch_size=geo.batch, sampler=sampler, drop_last=not cfg.uneven,
                         num_workers=cfg.num_workers, pin_memory=backend.device.type == "cuda")
     batches = iter(loader)
     steps = _epoch_steps(run, sampler)
-    done = 0
+    done, last = 0, (False, False)
     run.model.train()
     # --uneven: a rank whose shard ends first leaves this block and answers the others'
     # gradient reductions with zeros until all have left (Backend.join)
@@ -594,43 +599,68 @@ def _one_epoch(run: _Run, sampler: ShardSampler, preemption: Preemption,
             if agreement is None:
                 continue
             stop, nonfinite = agreement()  # the same answers on every rank
-            more = k + 1 < len(steps)  # the epoch's last step is evaluated and saved at its end
-            if _after_step(run, preemption, stop, nonfinite, more):
-                return True
+            if k + 1 == len(steps):
+                last = (stop, nonfinite)  # the epoch's last step: its end acts on them
+            elif _step_tail(run, preemption, stop, nonfinite):
+                return None
     if done < len(steps):  # joined early: take the others' steps, then their weights
         for step in steps[done:]:
             run.scheduler.step()
             _advance(run, step)
     if cfg.uneven:
         backend.broadcast_state(run.model, run.optimizer, root=0)  # rank 0 ran every step
-    return False
+    return last
 
 
-def _after_step(run: _Run, preemption: Preemption, stop: bool, nonfinite: bool, more: bool) -> bool:
-    """Collective, after a step every rank read a full batch of: the step's tail, in this order.
-    ``stop``/``nonfinite``: what the ranks agreed on during the step; ``more``: not the epoch's
-    last step (that one is evaluated, saved and folded at the epoch's end). True when the run
-    ends here (``--max-steps``)."""
+@dataclass(frozen=True)
+class _EpochEnd:
+    """What an epoch measured on this rank: the samples it covered, its seconds, and the
+    seconds this rank waited for reduced gradients (their share is what compute did not hide)."""
+
+    samples: int
+    seconds: float
+    waited: float
+
+
+def _step_tail(run: _Run, preemption: Preemption, stop: bool, nonfinite: bool,
+               epoch: _EpochEnd | None = None) -> bool:
+    """Collective: what follows a step every rank read a full batch of, and every epoch's end
+    (``epoch``), in this one order. ``stop``/``nonfinite``: what the ranks agreed on during the
+    step. True when the run stops here (``--max-steps`` mid-epoch, or ASHA pruned the trial).
+
+    1. the non-finite check (the agreed flag lags a step: before a save and at an epoch's end,
+       this step is asked too);
+    2. evaluate: every ``--eval-every`` steps, at the limit and at every epoch's end (not before a
+       preemption's save, which must come fast);
+    3. at an epoch's end: its record (loss, throughput, held-out metrics) and ASHA's rung, decided
+       before the save so that a trial requeued in between meets the same rung again and reuses
+       the recorded decision;
+    4. save: at the epoch's end, a preemption, the limit, every ``--checkpoint-every`` steps;
+    5. preemption: requeues and raises if the ranks agreed to stop (saved above);
+    6. fold the running loss (and, elastic, commit to host memory).
+    """
     cfg = run.cfg
-    limit = _at_limit(run) and more
-    # 1. evaluate: every --eval-every steps, and at the limit (the run's final held-out
-    #    metrics, saved with it); not before a preemption's save, which must come fast
-    if limit or (more and cfg.eval_every and run.step % cfg.eval_every == 0 and not stop):
-        _evaluate(run, say=True)
-    # 2. the non-finite check (the agreed flag lags a step: before a save, this one is asked too)
-    periodic = bool(cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0 and more)
-    wants_save = bool(run.ckpt and (stop or limit or periodic))
-    run.check_nonfinite(nonfinite and not run.watch.warned, before_save=wants_save)
-    # 3. save, 4. preemption: requeues and raises if the ranks agreed to stop (saved above)
+    limit = epoch is None and _at_limit(run)  # at an epoch's end the epoch loop stops by itself
+    periodic = bool(epoch is None and cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0)
+    wants_save = bool(run.ckpt and (stop or limit or periodic or epoch is not None))
+    run.check_nonfinite(nonfinite and not run.watch.warned, before_save=wants_save or epoch is not None)
+    go_on = True
+    if not stop:
+        if epoch is not None:
+            go_on = _end_epoch(run, epoch)
+        elif limit or (cfg.eval_every and run.step % cfg.eval_every == 0):
+            _evaluate(run, say=True)
     if wants_save:
         run.save()
     preemption.check(run.step, agreed=stop)
-    if limit:
+    if epoch is not None:
+        run.observers.saved(run, run.progress.history[-1], str(run.ckpt.directory / run.saved_name)
+                            if run.ckpt is not None and run.saved_name else None)
+    elif limit:
         return True
-    # 5. fold the running loss (and, elastic, commit to host memory)
-    if more and run.step % cfg.commit_every == 0:
+    if epoch is not None or run.step % cfg.commit_every == 0:
         run.fold()
-    return False
+    return not go_on
 
 
 def _advance(run: _Run, step: _StepShare) -> None:
@@ -670,32 +700,29 @@ def _evaluate(run: _Run, say: bool = False) -> dict[str, float]:
     return metrics
 
 
-def _end_epoch(run: _Run, samples_here: int, seconds: float, waited: float) -> bool:
-    """Epoch loss and throughput, held-out metrics, the non-finite check, ASHA's rung, the epoch
-    checkpoint and commit. Returns False when ASHA pruned the trial.
-
-    ``waited``: seconds this rank waited for reduced gradients in the epoch; their share of
-    the epoch, averaged over ranks, is how much communication compute did not hide.
-    """
+def _end_epoch(run: _Run, epoch: _EpochEnd) -> bool:
+    """The epoch's record (loss, throughput, held-out metrics), its line, and ASHA's rung (part
+    of :func:`_step_tail`). Returns False when ASHA pruned the trial."""
     backend, p = run.backend, run.progress
-    epoch = p.epoch
+    index = p.epoch
     # Throughput of the slowest rank is the job's throughput.
-    slowest = backend.allreduce_metric(seconds, op="max")
-    sps = samples_here / slowest if slowest > 0 else float("nan")
-    comm = backend.allreduce_metric(waited / seconds if seconds > 0 else 0.0) if backend.size > 1 else 0.0
-    if not backend.comm_wait_measured:
+    slowest = backend.allreduce_metric(epoch.seconds, op="max")
+    sps = epoch.samples / slowest if slowest > 0 else float("nan")
+    comm = backend.allreduce_metric(epoch.waited / epoch.seconds if epoch.seconds > 0 else 0.0) \
+        if backend.size > 1 else 0.0
+    if not backend.strategy.comm_wait_measured:
         comm = float("nan")  # not measured (FSDP2): said so, not shown as 0%
     epoch_loss = run.loss.mean(backend)
     if run.samples is not None:  # while the state still says which epoch they belong to
-        run.samples.record(epoch, run.step)
+        run.samples.record(index, run.step)
     val = _evaluate(run)
-    record: dict[str, Any] = {"epoch": epoch, "step": run.step, "loss": epoch_loss, "samples_per_sec": sps,
+    record: dict[str, Any] = {"epoch": index, "step": run.step, "loss": epoch_loss, "samples_per_sec": sps,
                               "comm_wait": comm, **{f"val_{k}": v for k, v in val.items()}}
     p.history.append(record)
     if run.master:
         shown = "".join(f" val_{k} {v:.6g}" for k, v in val.items() if k != "count")
         waits = f"{comm:.0%}" if comm == comm else "not measured"  # nan: FSDP2's waits are in backward
-        run.log(f"epoch {epoch} loss {epoch_loss:.6f}{shown} samples/s {sps:.1f} comm wait {waits} "
+        run.log(f"epoch {index} loss {epoch_loss:.6f}{shown} samples/s {sps:.1f} comm wait {waits} "
                 f"({backend.size} ranks)")
         if not run.advised and comm == comm and comm >= WAIT_SHARE:  # once, and only what was measured
             run.advised = True
@@ -703,18 +730,10 @@ def _end_epoch(run: _Run, samples_here: int, seconds: float, waited: float) -> b
             if tip:
                 warn(tip)
     run.observers.epoch(run, record)
-    run.check_nonfinite(not run.watch.warned and run.watch.check_now(), before_save=False)
-    p.epoch, p.samples_in_epoch = epoch + 1, 0
+    p.epoch, p.samples_in_epoch = index + 1, 0
     run.loss.end_epoch()
     p.steps_in_epoch = 0
-    # ASHA decides before the save: a trial requeued in between meets the same rung
-    # again and reuses the recorded decision
-    go_on = _asha_rung(run, record)
-    run.save()
-    run.observers.saved(run, record, str(run.ckpt.directory / run.saved_name)
-                        if run.ckpt is not None and run.saved_name else None)
-    run.fold()
-    return go_on
+    return _asha_rung(run, record)
 
 
 def _asha_rung(run: _Run, record: dict[str, Any]) -> bool:
@@ -746,12 +765,9 @@ def _report_done(run: _Run) -> None:
     backend, result, cfg = run.backend, run.result, run.cfg
     backend.sync_buffers(run.model)  # rank 0's BatchNorm statistics, as the checkpoint holds
     result.memory = backend.gather_objects(rank_memory(backend, run.model, run.optimizer))
-    report = backend.parallelism.report()
-    if report is not None:
-        result.shard_overlap = report
-    if backend.powersgd is not None:
-        result.compression = backend.powersgd.report()
-    digests = backend.gather_objects(param_digest(backend.replica_state_dict(run.model)))
+    for field_name, value in backend.strategy.report().items():  # shard_overlap, compression
+        setattr(result, field_name, value)
+    digests = backend.gather_objects(param_digest(backend.strategy.replica_state_dict(run.model)))
     result.param_digest = digests[0]
     result.history = run.progress.history
     result.epoch_losses = run.progress.epoch_losses
@@ -761,7 +777,7 @@ def _report_done(run: _Run) -> None:
         result.best = run.ckpt.best()
     if backend.is_master:
         # sharded parameters (FSDP) exist once: the same on every rank by construction
-        same = all(d == digests[0] for d in digests) or not backend.replicates_parameters(run.model)
+        same = all(d == digests[0] for d in digests) or not backend.strategy.replicates_parameters
         val = "".join(f" {k}={v!r}" for k, v in result.val.items() if k != "val_count")
         run.log(f"done: backend={backend.name} world={backend.size} final_loss={result.final_loss!r}{val} "
                 f"steps={result.global_step} params_identical_on_all_ranks={same} "

@@ -25,21 +25,14 @@ if TYPE_CHECKING:
 __all__ = ["rank_memory"]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)  # DTensor: this rank's shard
-    return to_local() if callable(to_local) else t
-
-
 def _nbytes(tensors: Any) -> int:
-    return sum(_local(t).numel() * _local(t).element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def rank_memory(backend: Backend, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """This rank's ``params``, ``grads`` and ``optimizer_state`` bytes and ``peak_rss`` bytes
-    (what its parallelism keeps between steps: ZeRO, the owned part; FSDP, local shards)."""
-    model = backend.unwrap(model)
-    params = list(model.parameters())
-    trainable, state = backend.parallelism.held(model, optimizer)
+    (what its strategy keeps between steps: ZeRO, the owned part; FSDP, local shards)."""
+    params, trainable, state = backend.strategy.held(model, optimizer)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     return {"params": _nbytes(params), "grads": _nbytes(trainable),
             "optimizer_state": _nbytes(state), "peak_rss": int(peak)}

@@ -97,14 +97,14 @@ def evaluate(backend: Backend, model: torch.nn.Module, dataset: Dataset, task: T
     from .precision import autocast
 
     backend.sync_buffers(model)  # rank 0's BatchNorm statistics: one model is evaluated
-    plain = backend.eval_module(model)
+    plain = backend.strategy.eval_module(model)
     was_training = plain.training
     plain.eval()
     sums = MetricSums(backend.device)
     shard = EvalShard(len(dataset), backend.size, backend.rank)  # type: ignore[arg-type]
     loader = DataLoader(dataset, batch_size=batch_size, sampler=shard, num_workers=num_workers)
     try:
-        for batch in backend.eval_batches(loader, shard):
+        for batch in backend.strategy.eval_batches(loader, shard):
             batch, weight = batch
             batch = to_device(batch, backend.device)
             with autocast(precision, backend.device):

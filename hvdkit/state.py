@@ -56,17 +56,17 @@ def kinds(states: dict[str, Any]) -> dict[str, str]:
 def capture(states: dict[str, Any], backend: Backend, *, copy_: bool = False) -> dict[str, Any]:
     """Every state as plain data (state dicts and values), as this rank holds it.
 
-    Modules go through the backend (``Backend.module_state_dict``: the plain module inside
-    a wrapper; a sharded module is gathered, which makes this collective). ``copy_`` deep-copies
+    Modules and optimizers go through the backend's strategy (``Strategy.module_state_dict``:
+    the plain module inside a wrapper; a sharded module is gathered, which makes this collective). ``copy_`` deep-copies
     the result, for a snapshot that training must not change (elastic commits).
     """
     out: dict[str, Any] = {}
     for key, obj in states.items():
         kind = kind_of(obj)
         if kind == "module":
-            out[key] = backend.module_state_dict(obj)
+            out[key] = backend.strategy.module_state_dict(obj)
         elif kind == "optimizer":
-            out[key] = backend.optimizer_state_dict(obj)
+            out[key] = backend.strategy.optimizer_state_dict(obj)
         elif kind == "stateful":
             out[key] = obj.state_dict()
         else:
@@ -93,9 +93,9 @@ def apply(states: dict[str, Any], captured: dict[str, Any], backend: Backend,
             continue
         kind = kind_of(obj)
         if kind == "module":
-            backend.load_module_state_dict(obj, captured[key])
+            backend.strategy.load_module_state_dict(obj, captured[key])
         elif kind == "optimizer":
-            backend.load_optimizer_state_dict(obj, captured[key])
+            backend.strategy.load_optimizer_state_dict(obj, captured[key])
         elif kind == "stateful":
             obj.load_state_dict(captured[key])
         else:
@@ -114,9 +114,9 @@ def broadcast(states: dict[str, Any], backend: Backend, root: int = 0) -> None:
         obj = states[key]
         kind = kind_of(obj)
         if kind == "optimizer":
-            backend.broadcast_optimizer(obj, root)
+            backend.strategy.broadcast_optimizer(obj, root)
         elif kind == "module":
-            backend.broadcast_state(obj, None, root)
+            backend.strategy.broadcast_state(obj, None, root)
         elif kind == "stateful":
             value = backend.broadcast_object(obj.state_dict() if backend.rank == root else None, root)
             if backend.rank != root:

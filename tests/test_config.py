@@ -13,12 +13,12 @@ from hvdkit.errors import ConfigError
 
 def test_horovod_environment_mapping():
     env = HorovodOptions(fusion_threshold_mb=64, cycle_time_ms=3.5, timeline="/t.json",
-                         stall_check_s=30, stall_shutdown_s=120).environment()
+                         stall_check_s=30, stall_shutdown_s=120).env_vars()
     assert env == {"HOROVOD_FUSION_THRESHOLD": str(64 * 1024 * 1024), "HOROVOD_CYCLE_TIME": "3.5",
                    "HOROVOD_TIMELINE": "/t.json", "HOROVOD_STALL_CHECK_TIME_SECONDS": "30",
                    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "120"}
-    assert HorovodOptions(fusion_threshold_mb=0).environment() == {"HOROVOD_FUSION_THRESHOLD": "0"}
-    assert HorovodOptions().environment() == {}
+    assert HorovodOptions(fusion_threshold_mb=0).env_vars() == {"HOROVOD_FUSION_THRESHOLD": "0"}
+    assert HorovodOptions().env_vars() == {}
 
 
 @pytest.mark.parametrize("make,match", [

@@ -264,6 +264,6 @@ def test_a_sharded_model_refuses_a_root_other_than_rank_0_instead_of_using_rank_
 
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="from rank 0 only .* not from rank 1"):
-        fsdp.scatter_model_state(model, rank=1, held=None, root=1)
+        fsdp.scatter_model_state(model, rank=1, loaded=None, root=1)
     with pytest.raises(ValueError, match="not from rank 1"):
-        fsdp.scatter_optimizer_state(model, torch.optim.SGD(model.parameters(), lr=0.1), rank=0, held=None, root=1)
+        fsdp.scatter_optimizer_state(model, torch.optim.SGD(model.parameters(), lr=0.1), rank=0, loaded=None, root=1)

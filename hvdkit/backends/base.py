@@ -1,4 +1,11 @@
-"""The one interface every backend implements, so the training loop never branches on backend."""
+"""The communicator every backend is, so the training loop never branches on backend.
+
+A :class:`Backend` is identity (rank, size, device), the collectives, what its failures look
+like, and elastic training. How the model is spread is its :attr:`Backend.strategy`
+(:mod:`hvdkit.backends.strategy`), chosen once in :meth:`Backend.wrap` from ``--shard``
+(:mod:`hvdkit.backends.modes`); a backend supplies only its replicated strategy, which owns
+its reducer. The strategies reach the backend only as a ``Communicator``.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,7 @@ import os
 import re
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -16,25 +23,13 @@ from torch import nn
 from ..config import BackendConfig
 from ..environments import usable_cores
 from ..errors import ConfigError, HvdkitError
-from .fsdp import FullyShardedParallelism
-from .parallelism import Parallelism, Replicated, to_cpu
-from .powersgd import PowerSGD
-from .zero import ZeroParallelism
+from .comm import Wait
+from .modes import make_strategy
+from .strategy import Replicated, Strategy
 
-__all__ = ["Backend", "ElasticLoop", "share_node_cores", "to_cpu", "clip_gradients"]
+__all__ = ["Backend", "ElasticLoop", "share_node_cores"]
 
 T = TypeVar("T")
-
-
-def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_`` over every parameter the optimizer updates; returns the norm before."""
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-
-# --shard's values and the strategy each chooses (hvdkit.backends.parallelism)
-PARALLELISMS: dict[str, type[Parallelism]] = {cls.shard: cls for cls in (Replicated, ZeroParallelism,
-                                                                          FullyShardedParallelism)}
 
 
 def share_node_cores(hosts: list[str]) -> int:
@@ -67,13 +62,11 @@ class ElasticLoop(Protocol):
 
 class Backend(ABC):
     """Data-parallel backend: a communicator (process identity and collectives) holding the
-    parallelism that ``wrap`` chooses (:mod:`hvdkit.backends.parallelism`).
+    strategy that ``wrap`` chooses (:mod:`hvdkit.backends.strategy`).
 
-    Lifecycle: construct (initialises the communication library), ``wrap`` the
-    model and optimizer once, ``broadcast_state`` from rank 0, train, ``shutdown``.
-    A subclass implements the collectives and the replicated primitives (``wrap_replicated``,
-    and where its library differs ``accumulate_replicated``, ``step_replicated``,
-    ``broadcast_replicated_optimizer``, ``broadcast_parameters``).
+    Lifecycle: construct (initialises the communication library), ``wrap`` the model and
+    optimizer once, ``broadcast_state`` from rank 0, train, ``shutdown``. A subclass implements
+    the collectives and, where its library has a reducer of its own, :meth:`replicated`.
     """
 
     name: str = "base"
@@ -85,21 +78,21 @@ class Backend(ABC):
         # communication that compute did not hide (the loop reports it per epoch as a share).
         self.comm_wait = 0.0
         self._unsynced = 0  # micro-batches since the last sync=True (see accumulate)
-        self.parallelism: Parallelism = Replicated(self)  # chosen again, from config.shard, in wrap()
-        self.powersgd: PowerSGD | None = None  # set by wrap_replicated with --compression powersgd
+        self._strategy: Strategy | None = None  # wrap() chooses it
 
     @property
-    def comm_wait_measured(self) -> bool:
-        """False where the wait cannot be told apart from compute (FSDP2 waits inside
-        backward): the epoch line then says "not measured" instead of a 0% that would be a guess."""
-        return self.parallelism.comm_wait_measured
+    def strategy(self) -> Strategy:
+        """How the model is spread: what :meth:`wrap` chose (before it, this backend's replicated
+        strategy, for a program that broadcasts or saves a model it never wrapped)."""
+        if self._strategy is None:
+            self._strategy = self.replicated()
+        return self._strategy
 
-    @property
-    def bucket_cap_mb(self) -> float:
-        """``--bucket-cap-mb`` from this backend's own options (ZeRO's buckets use it too)."""
-        return self.config.bucket_cap_mb
+    def replicated(self) -> Strategy:
+        """``--shard none``: this backend's own replicated strategy (its reducer)."""
+        return Replicated(self)
 
-    # -- identity ---------------------------------------------------------------
+    # -- identity ---------------------------------------------------------------------------
     @property
     @abstractmethod
     def rank(self) -> int:
@@ -139,24 +132,18 @@ class Backend(ABC):
             share_node_cores(hosts)
         return torch.get_num_threads()
 
-    # -- model ------------------------------------------------------------------
+    # -- the model: one-line forwards to the strategy -----------------------------------------
     def wrap(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Move ``model`` to :attr:`device`, choose the parallelism from ``config.shard`` (once)
+        """Move ``model`` to :attr:`device`, choose the strategy from ``config.shard`` (once)
         and let it make the gradients data-parallel."""
-        self.parallelism = PARALLELISMS[self.config.shard](self)
-        return self.parallelism.wrap(model.to(self.device), optimizer)
-
-    def wrap_replicated(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer
-    ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Replicated: this backend's own reducer (DDP's wrapper, Horovod's optimizer)."""
-        return model, optimizer
+        self._strategy = make_strategy(self.config, self, self.replicated)
+        return self._strategy.wrap(model.to(self.device), optimizer)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain module inside whatever ``wrap`` returned (for ``state_dict``)."""
-        return model
+        return self.strategy.unwrap(model)
 
     def sync_buffers(self, model: nn.Module, root: int = 0) -> None:
         """Every rank takes ``root``'s buffers (BatchNorm running statistics).
@@ -165,57 +152,14 @@ class Backend(ABC):
         pass (DDP's ``broadcast_buffers``), so after a step they differ by rank. They matter
         only in eval mode: evaluation and the checkpoint use rank 0's, as DDP would.
         """
-        for buffer in self.unwrap(model).buffers():
-            theirs: torch.Tensor = self.broadcast_object(buffer.detach().cpu() if self.rank == root else None, root)  # type: ignore[assignment]
-            buffer.copy_(theirs)
+        self.strategy.sync_buffers(model, root)
 
-    def eval_module(self, model: nn.Module) -> nn.Module:
-        """What held-out evaluation runs: the plain module (no gradient hooks, no collective)."""
-        return self.unwrap(model)
-
-    def eval_batches(self, loader: Iterable[Any], shard: Sized) -> Iterator[tuple[Any, int]]:
-        """This rank's evaluation batches with their weight (1 each; FSDP, whose forward pass
-        is collective, pads so that every rank runs as many)."""
-        return self.parallelism.eval_batches(loader, shard)
-
-    # -- state, as checkpoints and elastic commits see it (hvdkit.state) --------------------
-    def module_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """The whole model's ``state_dict`` (unwrapped; gathered where sharded)."""
-        return self.parallelism.module_state_dict(model)
-
-    def replica_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """Collective where sharded: the whole model's state as this rank's replica holds it
-        (compared across ranks at the end of a run). Where no rank holds a replica
-        (:meth:`replicates_parameters` false) only rank 0 gets the gathered whole."""
-        return self.parallelism.replica_state_dict(model)
-
-    def replicates_parameters(self, model: nn.Module) -> bool:
-        """False when each rank holds only part of the parameters (FSDP): then "identical on
-        every rank" holds by construction and only rank 0's gathered digest is reported."""
-        return self.parallelism.replicates_parameters
-
-    def load_module_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`module_state_dict` on this rank (where sharded, rank 0 holds it
-        until :meth:`broadcast_state` scatters it)."""
-        self.parallelism.load_module_state_dict(model, state)
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The whole optimizer's ``state_dict`` (gathered where sharded)."""
-        return self.parallelism.optimizer_state_dict(optimizer)
-
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`optimizer_state_dict` on this rank."""
-        self.parallelism.load_optimizer_state_dict(optimizer, state)
-
-    def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int = 0) -> None:
-        """Collective: every rank takes ``root``'s optimizer state (where sharded, its part)."""
-        self.parallelism.broadcast_optimizer(optimizer, root)
-
-    def broadcast_replicated_optimizer(self, optimizer: torch.optim.Optimizer, root: int = 0) -> None:
-        """Replicated: every rank takes ``root``'s whole optimizer state (as one object)."""
-        state = self.broadcast_object(to_cpu(optimizer.state_dict()) if self.rank == root else None, root)
-        if self.rank != root and state is not None:
-            optimizer.load_state_dict(state)
+    def broadcast_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, root: int = 0
+    ) -> None:
+        """Overwrite every rank's parameters, buffers and optimizer state with ``root``'s (where
+        sharded, each rank's part of them)."""
+        self.strategy.broadcast_state(model, optimizer, root)
 
     @contextlib.contextmanager
     def accumulate(self, model: nn.Module, sync: bool) -> Iterator[None]:
@@ -236,44 +180,19 @@ class Backend(ABC):
                 f"with sync=True (a micro-batch left over at an epoch's end carries into the next step)",
                 f"run whole groups of {k} per epoch: len(loader) // {k} * {k} micro-batches, as hvdkit train does")
         self._unsynced = 0 if sync else micro
-        with self.parallelism.accumulate(model, sync):
+        with self.strategy.accumulate(model, sync):
             yield
-
-    @contextlib.contextmanager
-    def accumulate_replicated(self, model: nn.Module, sync: bool) -> Iterator[None]:
-        """Replicated: the backend's part of :meth:`accumulate` (DDP: ``no_sync`` unless ``sync``)."""
-        yield
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer,
                        scaler: torch.amp.GradScaler | None = None,
                        clip_grad_norm: float | None = None) -> None:
         """Apply the reduced gradients: unscale (fp16 ``scaler``), clip their global norm to
-        ``clip_grad_norm``, step.
+        ``clip_grad_norm``, step, in the order the strategy's reduction needs (Horovod reduces
+        inside ``optimizer.step()``, so unscaling and clipping wait for its ``synchronize()``;
+        ZeRO reduce-scatters, clips the owned gradients by the global norm, steps, gathers)."""
+        self.comm_wait += self.strategy.optimizer_step(optimizer, scaler, clip_grad_norm)
 
-        DDP has reduced the (scaled) gradients during backward, so the usual order is right:
-        ``scaler.unscale_``, ``clip_grad_norm_``, ``scaler.step``/``update``. Horovod
-        overrides :meth:`step_replicated`: it reduces inside ``optimizer.step()``, so unscaling
-        and clipping must wait for ``synchronize()``. ``--shard optimizer`` (either backend):
-        reduce-scatter, clip the owned reduced gradients by the global norm, step, all-gather
-        (no scaler: the config refuses fp16 with sharding).
-        """
-        self.parallelism.optimizer_step(optimizer, scaler, clip_grad_norm)
-
-    def step_replicated(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None,
-                        clip_grad_norm: float | None = None) -> None:
-        """Replicated (and FSDP): unscale, clip, step, as the gradients are already reduced."""
-        if clip_grad_norm:
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            clip_gradients(optimizer, clip_grad_norm)
-        if scaler is None:
-            optimizer.step()
-            return
-        scaler.step(optimizer)
-        scaler.update()
-
-    @contextlib.contextmanager
-    def join(self, model: nn.Module) -> Iterator[None]:
+    def join(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Around a loop in which ranks take different numbers of steps.
 
         A rank that leaves the loop early keeps answering the others' gradient reductions
@@ -281,7 +200,7 @@ class Backend(ABC):
         by the whole world size (Horovod's ``Average`` and DDP's default both do), which the
         training loop's loss weights account for. Inside, only gradient reductions may run.
         """
-        yield
+        return self.strategy.join(model)
 
     # -- elastic training ------------------------------------------------------------------
     def run_elastic(self, body: Callable[[], T], loop: ElasticLoop) -> T:
@@ -320,23 +239,12 @@ class Backend(ABC):
             line = line.split(advice)[0]
         return line[:300]
 
-    def profiler_trace_path(self, timeline: str | None) -> str | None:
+    def profiler_trace_path(self) -> str | None:
         """Where rank 0 records a torch profiler trace for ``--timeline`` (None: the backend
         writes its own timeline, as Horovod does)."""
-        return timeline
+        return self.config.timeline
 
     # -- collectives --------------------------------------------------------------
-    def broadcast_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, root: int = 0
-    ) -> None:
-        """Overwrite every rank's parameters, buffers and optimizer state with ``root``'s (where
-        sharded, each rank's part of them)."""
-        self.parallelism.broadcast_state(model, optimizer, root)
-
-    @abstractmethod
-    def broadcast_parameters(self, model: nn.Module, root: int = 0) -> None:
-        """Overwrite every rank's whole ``state_dict`` (parameters and buffers) with ``root``'s."""
-
     @abstractmethod
     def broadcast_object(self, obj: T, root: int = 0) -> T:
         """Return ``root``'s (picklable) ``obj`` on every rank."""
@@ -356,24 +264,24 @@ class Backend(ABC):
     # Asynchronous collectives of --shard optimizer (hvdkit.backends.zero): each starts now and
     # returns the function that waits for its result; ``name`` tells concurrent ones apart
     # (Horovod matches operations across ranks by name). These fallbacks finish at once.
-    def start_reduce_scatter_mean(self, flat: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
+    def start_reduce_scatter_mean(self, flat: torch.Tensor, name: str) -> Wait:
         """Average ``flat`` (a length divisible by the world size) across ranks; the result is
         this rank's contiguous 1/N of it."""
         n = flat.numel() // self.size
         out = self.allreduce_tensor(flat, "mean")[self.rank * n:(self.rank + 1) * n].clone()
         return lambda: out
 
-    def start_all_gather_flat(self, shard: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
+    def start_all_gather_flat(self, shard: torch.Tensor, name: str) -> Wait:
         """Every rank's equal-length 1D ``shard``, concatenated in rank order, on every rank."""
         out = torch.cat([t.to(shard.device) for t in self.gather_objects(shard.detach().cpu())])
         return lambda: out
 
-    def start_allreduce_mean(self, tensor: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
+    def start_allreduce_mean(self, tensor: torch.Tensor, name: str) -> Wait:
         """``tensor`` averaged across ranks (a new tensor)."""
         out = self.allreduce_tensor(tensor, "mean")
         return lambda: out
 
-    def start_broadcast_(self, tensor: torch.Tensor, root: int, name: str) -> Callable[[], torch.Tensor]:
+    def start_broadcast_(self, tensor: torch.Tensor, root: int, name: str) -> Wait:
         """Overwrite ``tensor`` in place with ``root``'s."""
         theirs: torch.Tensor = self.broadcast_object(tensor.detach().cpu() if self.rank == root else None, root)  # type: ignore[assignment]
         tensor.copy_(theirs)

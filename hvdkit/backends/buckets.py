@@ -30,15 +30,15 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-__all__ = ["FIRST_BUCKET_BYTES", "MIN_BUCKET_BYTES", "BucketEngine", "Wait", "bucket_bytes", "plan_buckets"]
+from .comm import Wait
+
+__all__ = ["FIRST_BUCKET_BYTES", "MIN_BUCKET_BYTES", "BucketEngine", "bucket_bytes", "plan_buckets"]
 
 # DDP's first bucket is small (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB) so the
 # first allreduce starts early in backward; the Horovod reducer does the same.
 FIRST_BUCKET_BYTES = 1024 * 1024
 MIN_BUCKET_BYTES = 2**20  # below this a collective's fixed cost outweighs what overlap saves
 
-Wait = Callable[[], torch.Tensor]
-"""Returned by a bucket's start: blocks until its collective is done and returns the result."""
 
 
 def plan_buckets(sizes: Sequence[int], keys: Sequence[Hashable], cap_bytes: int, *,

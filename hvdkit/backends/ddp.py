@@ -25,8 +25,10 @@ from ..config import BackendConfig
 from ..environments import ClusterEnvironment, detect_environment
 from ..errors import HvdkitError, first_line
 from ..log import debug
-from .base import Backend, to_cpu
+from .base import Backend
+from .comm import to_cpu
 from .powersgd import PowerSGD
+from .strategy import Replicated, Strategy, local_step
 
 T = TypeVar("T")
 
@@ -90,7 +92,6 @@ class DDPBackend(Backend):
                     "ranks were started (raise --ddp-timeout to wait longer)",
                 ) from None
         self._owns_group = True
-        self._last_gradient: float | None = None
         atexit.register(self.shutdown)  # a script that forgets shutdown() must not abort at exit
         self.limit_cpu_threads()
 
@@ -112,75 +113,8 @@ class DDPBackend(Backend):
                 "master_addr": self.env.main_address, "master_port": self.env.main_port,
                 "process_group": self.pg_backend}
 
-    def wrap_replicated(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer
-    ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        opts = self.config.ddp
-        ddp = DistributedDataParallel(
-            model,
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            bucket_cap_mb=opts.bucket_cap_mb,
-            gradient_as_bucket_view=opts.gradient_as_bucket_view,
-            static_graph=opts.static_graph,
-            find_unused_parameters=opts.find_unused_parameters,
-            **{_BUFFER_SYNC_ARG: opts.broadcast_buffers},  # type: ignore[arg-type]
-        )
-        spec = self.config.compression
-        if spec.kind == "fp16":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif spec.kind == "powersgd":  # torch's powerSGD_hook's algorithm, issued in one order on every rank
-            self.powersgd = PowerSGD(spec, {id(p): name for name, p in model.named_parameters()})
-            ddp.register_comm_hook(None, self.powersgd.ddp_hook)
-        # The time of the last local gradient: DDP's reducer waits for its buckets at the end
-        # of backward, so the exposed communication is from then until backward returns.
-        for p in model.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._gradient_ready)
-        return ddp, optimizer
-
-    def _gradient_ready(self, _param: torch.Tensor) -> None:
-        self._last_gradient = time.perf_counter()
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model.module if isinstance(model, DistributedDataParallel) else model
-
-    @contextlib.contextmanager
-    def join(self, model: nn.Module) -> Iterator[None]:
-        """``torch.distributed.algorithms.Join``: DDP's join hook shadows the forward buffer
-        broadcast and the gradient allreduce of ranks still training; dividing by the initial
-        world size (the default) matches Horovod."""
-        if not isinstance(model, DistributedDataParallel):
-            yield
-            return
-        from torch.distributed.algorithms.join import Join
-
-        with Join([model], divide_by_initial_world_size=True):
-            yield
-
-    @contextlib.contextmanager
-    def accumulate_replicated(self, model: nn.Module, sync: bool) -> Iterator[None]:
-        if not isinstance(model, DistributedDataParallel):
-            yield
-        elif sync:
-            self._last_gradient = None
-            yield
-            if self._last_gradient is not None:  # backward ran: it returned once reduced
-                self.comm_wait += time.perf_counter() - self._last_gradient
-        else:
-            with model.no_sync():
-                yield
-
-    def broadcast_parameters(self, model: nn.Module, root: int = 0) -> None:
-        with torch.no_grad():
-            for tensor in self.unwrap(model).state_dict().values():
-                dist.broadcast(tensor, src=root)
-
-    def sync_buffers(self, model: nn.Module, root: int = 0) -> None:
-        with torch.no_grad():
-            for buffer in self.unwrap(model).buffers():
-                dist.broadcast(buffer, src=root)
+    def replicated(self) -> Strategy:
+        return DDPReplicated(self)
 
     def broadcast_object(self, obj: T, root: int = 0) -> T:
         box = [obj if self.rank == root else None]
@@ -262,3 +196,112 @@ class DDPBackend(Backend):
                 dist.destroy_process_group()
                 gc.collect()
         self._owns_group = False
+
+
+class DDPReplicated(Replicated):
+    """``--shard none`` on DDP: torch's ``DistributedDataParallel`` reducer, its ``no_sync`` and
+    ``Join``, fp16 compression as torch's ``fp16_compress_hook``, and PowerSGD as a comm hook on
+    DDP's own buckets (:meth:`_powersgd_hook`)."""
+
+    def __init__(self, backend: DDPBackend) -> None:
+        super().__init__(backend)
+        self.config = backend.config
+        self.ddp: DistributedDataParallel | None = None  # the wrapper this strategy made
+        self._last_gradient: float | None = None
+        self._waited = 0.0  # exposed communication since the last optimizer step
+        self._hooks: list[Any] = []
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        opts, device = self.config.ddp, self.comm.device
+        self.ddp = ddp = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=opts.bucket_cap_mb,
+            gradient_as_bucket_view=opts.gradient_as_bucket_view,
+            static_graph=opts.static_graph,
+            find_unused_parameters=opts.find_unused_parameters,
+            **{_BUFFER_SYNC_ARG: opts.broadcast_buffers},  # type: ignore[arg-type]
+        )
+        spec = self.config.compression
+        if spec.kind == "fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif spec.kind == "powersgd":  # torch's powerSGD_hook's algorithm, issued in one order on every rank
+            self.powersgd = PowerSGD(spec, {id(p): name for name, p in model.named_parameters()})
+            ddp.register_comm_hook(None, self._powersgd_hook)
+        # The time of the last local gradient: DDP's reducer waits for its buckets at the end
+        # of backward, so the exposed communication is from then until backward returns.
+        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready)
+                       for p in model.parameters() if p.requires_grad]
+        return ddp, optimizer
+
+    def _gradient_ready(self, _param: torch.Tensor) -> None:
+        self._last_gradient = time.perf_counter()
+
+    def _powersgd_hook(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """``register_comm_hook``: one bucket of PowerSGD, every collective started here, on the
+        autograd thread, in DDP's bucket order.
+
+        Not torch's ``powerSGD_hook`` itself: it starts each bucket's second and third allreduce
+        from completion callbacks, so on gloo two buckets' collectives can start in different
+        orders on different ranks (seen: ResNet-18 over two nodes died with "Received data size
+        doesn't match expected size"). Here the uncompressed part and P start, P (small: n x r
+        per matrix) is waited for, and Q starts; the future completes when those allreduces have,
+        and its callback only decompresses. The uncompressed part and Q still overlap the rest
+        of backward.
+        """
+        assert self.powersgd is not None
+        works: list[Any] = []
+
+        def allreduce_sum(tensor: torch.Tensor, _name: str) -> Any:
+            work = dist.all_reduce(tensor, async_op=True)
+            works.append(work)
+            return lambda: (work.wait(), tensor)[1]
+
+        step = self.powersgd.start(bucket.index(), bucket.is_last(), bucket.buffer(), bucket.gradients(),
+                                   bucket.parameters(), allreduce_sum, self.comm.size)
+        step.send_q()
+        return torch.futures.collect_all([w.get_future() for w in works]).then(lambda _: step.finish())
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if model is self.ddp else model  # type: ignore[return-value]
+
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module, sync: bool) -> Iterator[None]:  # type: ignore[override]
+        if model is not self.ddp:  # a module this strategy did not wrap: nothing to reduce
+            yield
+        elif sync:
+            self._last_gradient = None
+            yield
+            if self._last_gradient is not None:  # backward ran: it returned once reduced
+                self._waited += time.perf_counter() - self._last_gradient
+        else:
+            with model.no_sync():  # type: ignore[operator]
+                yield
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+                       clip_grad_norm: float | None) -> float:
+        """DDP reduced the (scaled) gradients during backward, so the usual order is right:
+        ``scaler.unscale_``, ``clip_grad_norm_``, ``scaler.step``/``update``."""
+        local_step(optimizer, scaler, clip_grad_norm)
+        waited, self._waited = self._waited, 0.0
+        return waited
+
+    @contextlib.contextmanager
+    def join(self, model: nn.Module) -> Iterator[None]:  # type: ignore[override]
+        """``torch.distributed.algorithms.Join``: DDP's join hook shadows the forward buffer
+        broadcast and the gradient allreduce of ranks still training; dividing by the initial
+        world size (the default) matches Horovod."""
+        if model is not self.ddp:
+            yield
+            return
+        from torch.distributed.algorithms.join import Join
+
+        with Join([model], divide_by_initial_world_size=True):
+            yield
+
+
+# DDP checks a comm hook's annotations against the real classes; this module's are strings
+DDPReplicated._powersgd_hook.__annotations__.update(bucket=dist.GradBucket,
+                                                    **{"return": torch.futures.Future[torch.Tensor]})

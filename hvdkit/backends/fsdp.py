@@ -15,7 +15,7 @@ the state one tensor at a time onto rank 0's CPU (torch's ``get_*_state_dict`` w
 ``full_state_dict`` and ``cpu_offload``), the optimizer in ``torch.optim``'s own layout
 (parameters by index, not by name), so a sharded run resumes unsharded and the other way
 round, at any world size. Loading is the reverse: rank 0 *holds* what it read
-(:meth:`FullyShardedParallelism.load_module_state_dict`), and the broadcast that follows
+(:meth:`FullyShardedStrategy.load_module_state_dict`), and the broadcast that follows
 every restore scatters it (``broadcast_from_rank0``).
 """
 
@@ -24,19 +24,16 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterable, Iterator, Sized
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import HvdkitError
-from .parallelism import Parallelism
-from .zero import same_optimizer
+from .comm import Communicator, broadcast_tensors
+from .strategy import Strategy, same_optimizer
 
-if TYPE_CHECKING:
-    from .base import Backend
-
-__all__ = ["FullyShardedParallelism", "shard_model", "full_model_state", "full_optimizer_state",
+__all__ = ["FullyShardedStrategy", "shard_model", "full_model_state", "full_optimizer_state",
            "scatter_model_state", "scatter_optimizer_state"]
 
 MIN_UNIT_PARAMS = 100_000  # a block smaller than this is gathered with its parent
@@ -54,8 +51,7 @@ def _units(model: nn.Module) -> list[nn.Module]:
     return list(reversed(list(dict.fromkeys(units))))
 
 
-def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer,
-                device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Shard ``model`` in place and rebuild ``optimizer`` (same class, groups and
     hyper-parameters) over the sharded parameters, which are new objects."""
     from torch.distributed.fsdp import fully_shard
@@ -125,18 +121,18 @@ def _only_rank0(root: int) -> None:
                          f"not from rank {root}; HINT: load the checkpoint on rank 0")
 
 
-def scatter_model_state(model: nn.Module, rank: int, held: dict[str, Any] | None, root: int = 0) -> None:
-    """Collective: every rank takes its shards of the state rank 0 ``held`` (a restore), or of
+def scatter_model_state(model: nn.Module, rank: int, loaded: dict[str, Any] | None, root: int = 0) -> None:
+    """Collective: every rank takes its shards of the state rank 0 ``loaded`` (a restore), or of
     rank 0's current weights when it holds none (a fresh start: all begin from rank 0's)."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     _only_rank0(root)
     is_root = rank == root
-    held = held if is_root else None
+    loaded = loaded if is_root else None
     _reshard(model)
-    if not _root_holds(is_root, held):
-        held = full_model_state(model)  # collective; whole on rank 0 only
-    set_model_state_dict(model, held if is_root and held is not None else {},
+    if not _root_holds(is_root, loaded):
+        loaded = full_model_state(model)  # collective; whole on rank 0 only
+    set_model_state_dict(model, loaded if is_root and loaded is not None else {},
                          options=_options(broadcast_from_rank0=True))
 
 
@@ -150,46 +146,48 @@ def _root_holds(is_root: bool, state: Any) -> bool:
 
 
 def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
-                            held: dict[str, Any] | None, root: int = 0) -> None:
-    """Collective: every rank takes its shards of the optimizer state rank 0 ``held`` (a
+                            loaded: dict[str, Any] | None, root: int = 0) -> None:
+    """Collective: every rank takes its shards of the optimizer state rank 0 ``loaded`` (a
     resume); nothing when it holds none (a fresh optimizer has no state to agree on)."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     _only_rank0(root)
     is_root = rank == root
-    held = held if is_root else None
-    if not _root_holds(is_root, held):
+    loaded = loaded if is_root else None
+    if not _root_holds(is_root, loaded):
         return
     _reshard(model)
     if is_root:
         names = {i: n for n, i in _index_of(optimizer, model).items()}
-        state = {"state": {names[int(i)]: v for i, v in held["state"].items()},  # type: ignore[index]
+        state = {"state": {names[int(i)]: v for i, v in loaded["state"].items()},  # type: ignore[index]
                  "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]}
-                                  for g in held["param_groups"]]}  # type: ignore[index]
+                                  for g in loaded["param_groups"]]}  # type: ignore[index]
     else:
         state = {}
     set_optimizer_state_dict(model, optimizer, state, options=_options(broadcast_from_rank0=True))  # type: ignore[arg-type]
 
 
-class FullyShardedParallelism(Parallelism):
-    """``--shard full``: FSDP2 units; whole states gathered on rank 0 and scattered from it."""
+class FullyShardedStrategy(Strategy):
+    """``--shard full``: FSDP2 units; whole states gathered on rank 0 and scattered from it.
+    FSDP2 runs its own collectives on torch.distributed's default group: the communicator
+    serves only the broadcasts around it (the traits allow this mode on DDP alone)."""
 
     shard = "full"
     replicates_parameters = False  # "identical on every rank" holds by construction
     comm_wait_measured = False     # FSDP2 waits inside backward: not told apart from compute
 
-    def __init__(self, backend: Backend) -> None:
-        super().__init__(backend)
+    def __init__(self, comm: Communicator) -> None:
+        super().__init__(comm)
         self.model: nn.Module | None = None
         # what rank 0 read in a restore, until the broadcast that follows scatters it; a
         # weak map so that a model or optimizer that is gone takes what it held with it
-        self._held: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+        self._loaded: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         # rank 0's whole weights first: once sharded, a "whole model" is every rank's part
         # of its own initialisation, and no rank holds rank 0's any more
-        self.backend.broadcast_parameters(model, 0)
-        self.model, rebuilt = shard_model(model, optimizer, self.backend.device)
+        broadcast_tensors(self.comm, model.state_dict().items(), 0)
+        self.model, rebuilt = shard_model(model, optimizer)
         return self.model, rebuilt
 
     def _model(self) -> nn.Module:
@@ -208,27 +206,37 @@ class FullyShardedParallelism(Parallelism):
         return full_model_state(model)
 
     def load_module_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
-        self._held[model] = state  # rank 0 alone: scattered by broadcast_state
+        self._loaded[model] = state  # rank 0 alone: scattered by broadcast_state
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return full_optimizer_state(self._model(), optimizer)
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        self._held[optimizer] = state
+        self._loaded[optimizer] = state
 
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, root: int) -> None:
-        scatter_model_state(model, self.backend.rank, self._held.pop(model, None), root)
+        scatter_model_state(model, self.comm.rank, self._loaded.pop(model, None), root)
         if optimizer is not None:
             self.broadcast_optimizer(optimizer, root)
 
     def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int) -> None:
-        scatter_optimizer_state(self._model(), optimizer, self.backend.rank, self._held.pop(optimizer, None), root)
+        scatter_optimizer_state(self._model(), optimizer, self.comm.rank, self._loaded.pop(optimizer, None), root)
+
+    def held(self, model: nn.Module,
+             optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Any]]:
+        """Each rank's local shards (of DTensors) of its parameters, gradients and optimizer state."""
+        from torch.distributed.tensor import DTensor
+
+        def local(items: list[Any]) -> list[Any]:
+            return [t.to_local() if isinstance(t, DTensor) else t for t in items]
+
+        return tuple(local(items) for items in super().held(model, optimizer))  # type: ignore[return-value]
 
     def eval_batches(self, loader: Iterable[Any], shard: Sized) -> Iterator[tuple[Any, int]]:
         """FSDP2's forward is collective: a rank with fewer batches runs its first one again
         with weight 0, until every rank has run as many."""
         mine = len(loader)  # type: ignore[arg-type]
-        most = int(self.backend.allreduce_metric(float(mine), "max"))
+        most = int(self.comm.allreduce_metric(float(mine), "max"))
         first = None
         for batch in loader:
             first = batch if first is None else first

@@ -18,9 +18,10 @@ from torch import nn
 from ..config import BackendConfig
 from ..environments import detect_environment
 from ..errors import BackendUnavailableError, ConfigError, HvdkitError, LauncherEnvError
-from .base import Backend, ElasticLoop, clip_gradients
+from .base import Backend, ElasticLoop
 from .hvd_reducer import bucketed_optimizer
 from .powersgd import PowerSGD
+from .strategy import Replicated, Strategy, clip_gradients
 
 T = TypeVar("T")
 
@@ -66,7 +67,7 @@ class HorovodBackend(Backend):
         self.hvd = hvd = import_horovod_torch()
         self._calls = 0
         global _INITS
-        env = config.horovod.environment()
+        env = config.horovod.env_vars()
         merged = {**os.environ, **env}
         if _INITS and "HOROVOD_CYCLE_TIME" in merged and "HOROVOD_FUSION_THRESHOLD" in merged:
             # Measured (2 ranks under mpirun, MPI kept up by mpi4py): Horovod 0.28.1 segfaults
@@ -88,7 +89,6 @@ class HorovodBackend(Backend):
         # collective here while the others are busy (run_elastic's sync limits the threads)
         self.elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
         self._elastic_state: Any = None
-        self._optimizer: Any = None
         if not self.elastic:
             self.limit_cpu_threads()
 
@@ -127,31 +127,8 @@ class HorovodBackend(Backend):
         """The gradient reducer in use: Adasum reduces tensor by tensor, so it is always stock."""
         return "stock" if self.config.horovod.op == "adasum" else self.config.horovod.reducer
 
-    def _op(self) -> Any:
-        return {"average": self.hvd.Average, "sum": self.hvd.Sum, "adasum": self.hvd.Adasum}[
-            self.config.horovod.op
-        ]
-
-    def wrap_replicated(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer
-    ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        opts, spec = self.config.horovod, self.config.compression
-        compression = self.hvd.Compression.fp16 if spec.kind == "fp16" else self.hvd.Compression.none
-        common = dict(named_parameters=list(model.named_parameters()), compression=compression,
-                      backward_passes_per_step=self.config.accumulation_steps, op=self._op(),
-                      gradient_predivide_factor=opts.gradient_predivide_factor)
-        if spec.kind == "powersgd":  # the config allows it on the bucketed reducer only
-            self.powersgd = PowerSGD(spec, {id(p): name for name, p in model.named_parameters()})
-        try:
-            if self.reducer == "bucketed":
-                dist_opt = bucketed_optimizer(self.hvd, optimizer, bucket_cap_mb=opts.bucket_cap_mb,
-                                              powersgd=self.powersgd, **common)
-            else:
-                dist_opt = self.hvd.DistributedOptimizer(optimizer, **common)
-        except ValueError as exc:
-            raise HvdkitError(f"Horovod rejected the optimizer options: {exc}", "see hvdkit train --help") from None
-        self._optimizer = dist_opt  # an elastic reset rebuilds its buckets
-        return model, dist_opt
+    def replicated(self) -> Strategy:
+        return HorovodReplicated(self)
 
     def slot_host(self) -> str:
         """horovodrun's name for this worker's host (as in -H or the discovery script)."""
@@ -188,7 +165,7 @@ class HorovodBackend(Backend):
                 loop.sync()
 
             def reset(self) -> None:  # the world was re-formed: no handle of the old one survives
-                backend.reset_reducer(backend._optimizer)
+                backend.strategy.reset()
 
         self._elastic_state = _State(bcast_object=self.broadcast_object, get_rank=self.hvd.rank)
         self._elastic_state.register_reset_callbacks([loop.on_reset])
@@ -197,88 +174,12 @@ class HorovodBackend(Backend):
     def elastic_commit(self) -> None:
         self._elastic_state.commit()
 
-    @contextlib.contextmanager
-    def join(self, model: nn.Module) -> Iterator[None]:
-        """``hvd.join()`` after the loop: a joined rank sends zeros to every allreduce until the
-        last rank joins; ``Average`` still divides by the whole size (measured, 2 ranks)."""
-        yield
-        self.hvd.join(self.device.index if self.device.type == "cuda" else -1)
-
-    def profiler_trace_path(self, timeline: str | None) -> str | None:
+    def profiler_trace_path(self) -> str | None:
         return None  # HOROVOD_TIMELINE, set before hvd.init(), writes Horovod's own timeline
-
-    def step_replicated(self, optimizer: torch.optim.Optimizer,
-                        scaler: torch.amp.GradScaler | None = None,
-                        clip_grad_norm: float | None = None) -> None:
-        """Horovod's documented order: reduce, then unscale and clip, then step without
-        reducing again.
-
-        ``scaler.step()`` or ``clip_grad_norm_`` alone would act on the *local* gradients
-        before ``optimizer.step()`` reduces them, and the reduction would then overwrite
-        them: with fp16 a step ``scale`` times too large and an inf/NaN check that saw only
-        this rank's gradients; with clipping, each rank clipping a different norm and the
-        reduced gradient not clipped at all.
-        """
-        started = time.perf_counter()
-        if self.config.horovod.op == "adasum":
-            # Adasum reduces the update inside step() (no scaler and no clipping: the config
-            # refuses both); its wait cannot be told apart from the local step, so it is not
-            # counted in comm_wait
-            optimizer.step()
-            return
-        # synchronize() explicitly (what step() does first anyway): its wait is the exposed
-        # communication, measured for the epoch line
-        optimizer.synchronize()  # type: ignore[attr-defined]  # hvd.DistributedOptimizer's
-        self.comm_wait += time.perf_counter() - started
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        if clip_grad_norm:
-            clip_gradients(optimizer, clip_grad_norm)
-        with optimizer.skip_synchronize():  # type: ignore[attr-defined]
-            if scaler is not None:
-                scaler.step(optimizer)
-            else:
-                optimizer.step()
-        if scaler is not None:
-            scaler.update()
-
-    def broadcast_replicated_optimizer(self, optimizer: torch.optim.Optimizer, root: int = 0) -> None:
-        """``hvd.broadcast_optimizer_state``, tensor by tensor, when ``root`` has state.
-
-        It initialises an *empty* state with a zero-gradient step, which moves weights under
-        weight decay and creates momentum/step entries a single-process run would not have:
-        so it runs only when root really has state (a resume), and the parameters must be
-        broadcast after it (:func:`hvdkit.state.broadcast` orders them so).
-        """
-        root_has_state = self.broadcast_object(
-            bool(optimizer.state_dict()["state"]) if self.rank == root else None, root)
-        if root_has_state:
-            # A rank whose state is empty (a worker that just joined an elastic job)
-            # initialises it inside broadcast_optimizer_state with optimizer.step().
-            # Horovod skips the gradient allreduce there only for its own optimizer
-            # class; without skip_synchronize the bucketed reducer would start bucket
-            # allreduces on that rank alone and deadlock the job (seen on a grow).
-            skip = getattr(optimizer, "skip_synchronize", contextlib.nullcontext)
-            with skip():
-                self.hvd.broadcast_optimizer_state(optimizer, root_rank=root)
-
-    def broadcast_parameters(self, model: nn.Module, root: int = 0) -> None:
-        self.hvd.broadcast_parameters(self.unwrap(model).state_dict(), root_rank=root)
-
-    def sync_buffers(self, model: nn.Module, root: int = 0) -> None:
-        buffers = {name: b for name, b in self.unwrap(model).named_buffers()}
-        if buffers:
-            self.hvd.broadcast_parameters(buffers, root_rank=root)
 
     def reset_collective_names(self) -> None:
         """Restart the name counter; after an elastic reset every rank must agree again."""
         self._calls = 0
-
-    def reset_reducer(self, optimizer: torch.optim.Optimizer) -> None:
-        """After an elastic reset: rebuild the buckets (no handle of the old ring survives)."""
-        rebuild = getattr(optimizer, "rebuild_buckets", None)
-        if rebuild is not None:
-            rebuild()
 
     def _name(self, kind: str) -> str:
         # Horovod matches collectives across ranks by name. Its default name for
@@ -331,3 +232,104 @@ class HorovodBackend(Backend):
     def shutdown(self) -> None:
         if self.hvd.is_initialized():
             self.hvd.shutdown()
+
+
+class HorovodReplicated(Replicated):
+    """``--shard none`` on Horovod: hvdkit's bucketed reducer on Horovod's allreduce (or Horovod's
+    own ``DistributedOptimizer``, ``--hvd-reducer stock``, and always for Adasum), fp16
+    compression as Horovod's ``Compression.fp16``, PowerSGD as one more collective of the
+    bucket engine, Horovod's documented synchronize order, its optimizer broadcast, ``hvd.join``
+    and the buckets rebuilt after an elastic reset."""
+
+    def __init__(self, backend: HorovodBackend) -> None:
+        super().__init__(backend)
+        self.hvd, self.config = backend.hvd, backend.config
+        self.reducer = backend.reducer
+        self.optimizer: Any = None  # the wrapped optimizer this strategy made
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        hvd, opts, spec = self.hvd, self.config.horovod, self.config.compression
+        compression = hvd.Compression.fp16 if spec.kind == "fp16" else hvd.Compression.none
+        op = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}[opts.op]
+        common = dict(named_parameters=list(model.named_parameters()), compression=compression,
+                      backward_passes_per_step=self.config.accumulation_steps, op=op,
+                      gradient_predivide_factor=opts.gradient_predivide_factor)
+        if spec.kind == "powersgd":  # the config allows it on the bucketed reducer only
+            self.powersgd = PowerSGD(spec, {id(p): name for name, p in model.named_parameters()})
+        try:
+            if self.reducer == "bucketed":
+                self.optimizer = bucketed_optimizer(hvd, optimizer, bucket_cap_mb=opts.bucket_cap_mb,
+                                                    powersgd=self.powersgd, **common)
+            else:
+                self.optimizer = hvd.DistributedOptimizer(optimizer, **common)
+        except ValueError as exc:
+            raise HvdkitError(f"Horovod rejected the optimizer options: {exc}", "see hvdkit train --help") from None
+        return model, self.optimizer
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+                       clip_grad_norm: float | None) -> float:
+        """Horovod's documented order: reduce, then unscale and clip, then step without
+        reducing again.
+
+        ``scaler.step()`` or ``clip_grad_norm_`` alone would act on the *local* gradients
+        before ``optimizer.step()`` reduces them, and the reduction would then overwrite
+        them: with fp16 a step ``scale`` times too large and an inf/NaN check that saw only
+        this rank's gradients; with clipping, each rank clipping a different norm and the
+        reduced gradient not clipped at all.
+        """
+        if self.config.horovod.op == "adasum":
+            # Adasum reduces the update inside step() (no scaler and no clipping: the config
+            # refuses both); its wait cannot be told apart from the local step, so it is not
+            # counted in comm_wait
+            optimizer.step()
+            return 0.0
+        # synchronize() explicitly (what step() does first anyway): its wait is the exposed
+        # communication, measured for the epoch line
+        started = time.perf_counter()
+        optimizer.synchronize()  # type: ignore[attr-defined]  # hvd.DistributedOptimizer's
+        waited = time.perf_counter() - started
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if clip_grad_norm:
+            clip_gradients(optimizer, clip_grad_norm)
+        with optimizer.skip_synchronize():  # type: ignore[attr-defined]
+            if scaler is not None:
+                scaler.step(optimizer)
+            else:
+                optimizer.step()
+        if scaler is not None:
+            scaler.update()
+        return waited
+
+    def broadcast_replicated_optimizer(self, optimizer: torch.optim.Optimizer, root: int) -> None:
+        """``hvd.broadcast_optimizer_state``, tensor by tensor, when ``root`` has state.
+
+        It initialises an *empty* state with a zero-gradient step, which moves weights under
+        weight decay and creates momentum/step entries a single-process run would not have:
+        so it runs only when root really has state (a resume), and the parameters must be
+        broadcast after it (``Strategy.broadcast_state`` orders them so).
+        """
+        root_has_state = self.comm.broadcast_object(
+            bool(optimizer.state_dict()["state"]) if self.comm.rank == root else None, root)
+        if root_has_state:
+            # A rank whose state is empty (a worker that just joined an elastic job)
+            # initialises it inside broadcast_optimizer_state with optimizer.step().
+            # Horovod skips the gradient allreduce there only for its own optimizer
+            # class; without skip_synchronize the bucketed reducer would start bucket
+            # allreduces on that rank alone and deadlock the job (seen on a grow). An
+            # optimizer this strategy did not wrap reduces nothing in step().
+            ours = optimizer is self.optimizer
+            with self.optimizer.skip_synchronize() if ours else contextlib.nullcontext():
+                self.hvd.broadcast_optimizer_state(optimizer, root_rank=root)
+
+    @contextlib.contextmanager
+    def join(self, model: nn.Module) -> Iterator[None]:
+        """``hvd.join()`` after the loop: a joined rank sends zeros to every allreduce until the
+        last rank joins; ``Average`` still divides by the whole size (measured, 2 ranks)."""
+        yield
+        self.hvd.join(self.comm.device.index if self.comm.device.type == "cuda" else -1)
+
+    def reset(self) -> None:
+        """After an elastic reset: rebuild the buckets (no handle of the old ring survives)."""
+        if self.reducer == "bucketed" and self.optimizer is not None:
+            self.optimizer.rebuild_buckets()

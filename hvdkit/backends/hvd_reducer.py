@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .buckets import FIRST_BUCKET_BYTES, BucketEngine, Wait, plan_buckets
+from .buckets import FIRST_BUCKET_BYTES, BucketEngine, plan_buckets
+from .comm import Wait
 from .powersgd import PowerSGD
 
 __all__ = ["bucketed_optimizer", "plan_allreduce_buckets"]
@@ -116,8 +117,10 @@ class _BucketedOptimizer(torch.optim.Optimizer):
             at += p.numel()
         if self._powersgd is not None:
             members = self._engine.plan[b]
+            # the engine finishes buckets in plan order: Q's allreduces go out in that order too
             return self._powersgd.start(b, b == len(self._buffers) - 1, buf, self._views[b],
-                                        [self._reduced[i] for i in members], self._allreduce_sum, self._hvd.size())
+                                        [self._reduced[i] for i in members], self._allreduce_sum,
+                                        self._hvd.size()).finish
         compressed, ctx = self._compression.compress(buf)
         handle = self._hvd.allreduce_async_(compressed, name=f"hvdkit.bucket.{b}", op=self.op,
                                             prescale_factor=self._prescale, postscale_factor=self._postscale)

@@ -8,16 +8,20 @@ matrices too small to gain (n m <= 2 (n + m) r) are averaged whole.
 
 * :meth:`PowerSGD.start` is torch's ``powerSGD_hook``, step by step and in the same order
   (the same ``PowerSGDState``, orthogonalisation, tensor grouping and random draws), given
-  the allreduce to use. Horovod has no such compressor: there it is one more collective of
-  hvdkit's bucket engine (:mod:`hvdkit.backends.buckets`). DDP runs it as a comm hook
-  (:meth:`PowerSGD.ddp_hook` says why not torch's own). Two ranks with the same buckets give
-  torch's hook's update, bit for bit, on both backends (tests/test_compression.py).
+  the allreduce to use, in two parts: :meth:`_Bucket.send_q` (P is reduced: Q is computed
+  and sent) and :meth:`_Bucket.finish` (the averaged gradient). Who calls them when is each
+  backend's own, and this module schedules nothing: Horovod's reducer runs it as one more
+  collective of hvdkit's bucket engine (:mod:`hvdkit.backends.hvd_reducer`), DDP as a comm
+  hook on DDP's own buckets (``DDPReplicated`` in :mod:`hvdkit.backends.ddp`). Two ranks with
+  the same buckets give torch's hook's update, bit for bit, on both backends
+  (tests/test_compression.py).
 
 The state is each rank's own (the error feedback), so a checkpoint gathers it from every
-rank and the broadcast after a load scatters it back
-(:class:`~hvdkit.backends.parallelism.Parallelism`). It is stored per *parameter*, not per
-bucket, so it survives a change of buckets: DDP re-forms its buckets in the first step of
-every process, which would otherwise misplace a resumed run's error feedback.
+rank (:func:`gather_state`) and the broadcast after a load gives each rank its own
+(:func:`apply_state`; ``Replicated`` in :mod:`hvdkit.backends.strategy` calls both). It is
+stored per *parameter*, not per bucket, so it survives a change of buckets: DDP re-forms its
+buckets in the first step of every process, which would otherwise misplace a resumed run's
+error feedback.
 """
 
 from __future__ import annotations
@@ -28,16 +32,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .comm import Communicator, Wait, to_cpu
+
 if TYPE_CHECKING:
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
     from ...config import CompressionSpec
 
-__all__ = ["wire_elements", "PowerSGD", "STATE_KEY"]
+__all__ = ["wire_elements", "PowerSGD", "STATE_KEY", "gather_state", "apply_state"]
 
 STATE_KEY = "powersgd"  # its entry in the optimizer's state dict (hvdkit's checkpoints)
 MIN_COMPRESSION_RATE = 2  # torch's default: compress a matrix only if it shrinks more than 2x
-Wait = Callable[[], torch.Tensor]
+AllreduceSum = Callable[[torch.Tensor, str], Wait]
 
 
 def _matrices(shapes: Sequence[torch.Size], rank: int) -> list[tuple[int, int, int, int]]:
@@ -64,7 +70,7 @@ def wire_elements(shapes: Sequence[torch.Size], rank: int) -> dict[str, int]:
             "products": sum(n * m * r for _, n, m, r in mats)}
 
 
-def _maybe(allreduce_sum: Callable[[torch.Tensor, str], Wait], tensor: torch.Tensor, name: str) -> Wait:
+def _maybe(allreduce_sum: AllreduceSum, tensor: torch.Tensor, name: str) -> Wait:
     """Every rank has the same buckets, so an empty part is empty everywhere: nothing to send."""
     return allreduce_sum(tensor, name) if tensor.numel() else (lambda: tensor)
 
@@ -87,7 +93,6 @@ class PowerSGD:
         self._shapes: dict[str, torch.Size] = {}
         self._device: dict[int, tuple[torch.device, torch.dtype]] = {}
         self._pending: dict[str, dict[str, torch.Tensor]] = {"error": {}, "q": {}}  # per parameter, to place
-        self._ddp_open: tuple[Wait, torch.futures.Future[torch.Tensor]] | None = None  # its Q not yet sent
 
     # -- buckets ------------------------------------------------------------------------------
     def see_bucket(self, index: int, params: Sequence[torch.Tensor]) -> None:
@@ -170,42 +175,12 @@ class PowerSGD:
         for index in self._layouts:
             self._place(index)
 
-    # -- DDP: the same algorithm as a comm hook ------------------------------------------------
-    def ddp_hook(self, state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        """``DistributedDataParallel.register_comm_hook(None, powersgd.ddp_hook)``.
-
-        Not torch's ``powerSGD_hook`` itself: it starts each bucket's second and third
-        allreduce from completion callbacks, so on gloo two buckets' collectives can start in
-        different orders on different ranks (seen: ResNet-18 over two nodes died with "Received
-        data size doesn't match expected size"). Here every collective starts on the autograd
-        thread in bucket order: a bucket's plain part and P now, and its Q when the next bucket
-        arrives (the last one finishes at once), so P still overlaps the rest of backward.
-        """
-        import torch.distributed as dist
-
-        def allreduce_sum(tensor: torch.Tensor, _name: str) -> Wait:
-            work = dist.all_reduce(tensor, async_op=True)
-            return lambda: (work.wait(), tensor)[1]
-
-        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        wait = self.start(bucket.index(), bucket.is_last(), bucket.buffer(), bucket.gradients(),
-                          bucket.parameters(), allreduce_sum, dist.get_world_size())
-        if self._ddp_open is not None:  # the previous bucket's Q, after this bucket's P
-            earlier_wait, earlier = self._ddp_open
-            earlier.set_result(earlier_wait())
-        self._ddp_open = (wait, done)
-        if bucket.is_last():
-            self._ddp_open = None
-            done.set_result(wait())
-        return done
-
-    # -- Horovod: the same algorithm on its allreduce -----------------------------------------------
+    # -- one bucket's step ---------------------------------------------------------------------
     def start(self, index: int, last: bool, flat: torch.Tensor, views: Sequence[torch.Tensor],
-              params: Sequence[torch.Tensor], allreduce_sum: Callable[[torch.Tensor, str], Wait],
-              size: int) -> Wait:
+              params: Sequence[torch.Tensor], allreduce_sum: AllreduceSum, size: int) -> _Bucket:
         """Start bucket ``index`` (``flat``, whose ``views`` are its parameters' gradients;
-        ``last``: the last bucket of the step). Returns the wait that leaves the averaged
-        (decompressed) gradient in ``flat``. Mirrors ``powerSGD_hook`` line by line."""
+        ``last``: the last bucket of the step): add the error feedback, compress, and start the
+        allreduces of the uncompressed part and of P. Mirrors ``powerSGD_hook`` line by line."""
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
 
         st = self.state
@@ -213,7 +188,7 @@ class PowerSGD:
             if last:
                 st.iter += 1
             flat.div_(size)
-            return allreduce_sum(flat, f"hvdkit.psgd.{index}")
+            return _Bucket(flat, finish=allreduce_sum(flat, f"hvdkit.psgd.{index}"))
         self.see_bucket(index, params)
         if index in st.error_dict:
             flat.add_(st.error_dict[index])
@@ -249,6 +224,15 @@ class PowerSGD:
             torch.bmm(mat, q, out=p)
         wait_plain = _maybe(allreduce_sum, plain_flat, f"hvdkit.psgd.{index}.plain")
         wait_p = _maybe(allreduce_sum, st.p_memory_dict[index], f"hvdkit.psgd.{index}.p")
+        bucket = _Bucket(flat)
+
+        def send_q() -> None:
+            st.p_memory_dict[index].copy_(wait_p())
+            for p in ps:
+                _orthogonalize(p, st.orthogonalization_epsilon)
+            for mat, p, q in zip(ms, ps, qs):
+                torch.bmm(mat.transpose(1, 2), p, out=q)
+            bucket.wait_q = _maybe(allreduce_sum, st.q_memory_dict[index], f"hvdkit.psgd.{index}.q")
 
         def finish() -> torch.Tensor:
             reduced = wait_plain().div_(size)
@@ -256,12 +240,7 @@ class PowerSGD:
             for v in plain:
                 v.copy_(reduced[at:at + v.numel()].view_as(v))
                 at += v.numel()
-            st.p_memory_dict[index].copy_(wait_p())
-            for p in ps:
-                _orthogonalize(p, st.orthogonalization_epsilon)
-            for mat, p, q in zip(ms, ps, qs):
-                torch.bmm(mat.transpose(1, 2), p, out=q)
-            st.q_memory_dict[index].copy_(_maybe(allreduce_sum, st.q_memory_dict[index], f"hvdkit.psgd.{index}.q")())
+            st.q_memory_dict[index].copy_(bucket.wait_q())
             st.q_memory_dict[index].div_(size)
             for p, q, mat in zip(ps, qs, ms):
                 torch.bmm(p, q.transpose(1, 2), out=mat)
@@ -270,15 +249,47 @@ class PowerSGD:
                 st.iter += 1
             return flat
 
-        return finish
+        bucket.send_q_fn, bucket.finish_fn = send_q, finish
+        return bucket
 
 
-def _real_hook_annotations() -> None:
-    """DDP checks a hook's annotations against the real classes; this module's are strings."""
-    import torch.distributed as dist
+class _Bucket:
+    """One bucket's PowerSGD step in flight: :meth:`send_q` once P is wanted (it waits for P's
+    allreduce and starts Q's), then :meth:`finish`, which leaves the averaged gradient in the
+    bucket's flat buffer and returns it. A backend decides when each runs; every rank must start
+    the collectives of all its buckets in one order."""
 
-    PowerSGD.ddp_hook.__annotations__.update(bucket=dist.GradBucket, state=Any,
-                                             **{"return": torch.futures.Future[torch.Tensor]})
+    def __init__(self, flat: torch.Tensor, finish: Wait | None = None) -> None:
+        self.flat = flat
+        self.send_q_fn: Callable[[], None] | None = None
+        self.finish_fn: Wait | None = finish
+        self.wait_q: Wait = lambda: flat
+
+    def send_q(self) -> None:
+        if self.send_q_fn is not None:
+            self.send_q_fn()
+            self.send_q_fn = None
+
+    def finish(self) -> torch.Tensor:
+        self.send_q()
+        assert self.finish_fn is not None
+        return self.finish_fn()
 
 
-_real_hook_annotations()
+def gather_state(comm: Communicator, powersgd: PowerSGD) -> dict[str, Any]:
+    """Collective: this process's PowerSGD state with every rank's error feedback (for rank 0's
+    checkpoint)."""
+    mine = powersgd.state_dict()
+    errors = comm.gather_objects(to_cpu(mine.pop("error")))
+    return {**mine, "q": to_cpu(mine["q"]), "error": errors}
+
+
+def apply_state(comm: Communicator, powersgd: PowerSGD, saved: dict[str, Any] | None) -> None:
+    """This rank's part of a gathered state: its own error feedback where the world size is
+    the one it was saved at (else the error feedback restarts from zero). None: saved without
+    PowerSGD, which starts afresh."""
+    if saved is None:
+        return
+    errors = saved["error"]
+    mine = errors[comm.rank] if len(errors) == comm.size else {}
+    powersgd.load_state_dict({**saved, "error": mine})

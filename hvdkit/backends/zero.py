@@ -27,42 +27,27 @@ its parameters broadcast from their owners after the step.
 The buckets are planned and started by hvdkit's one bucket engine
 (:mod:`hvdkit.backends.buckets`); this module holds only what is ZeRO's: who owns which
 parameter, the owner-by-owner layout of a bucket and its collective, the local step, the
-gather, and the state's standard layout. The backend supplies the collectives
+gather, and the state's standard layout. The communicator supplies the collectives
 (``Backend.start_reduce_scatter_mean`` and friends), so Horovod
 (``hvd.reducescatter``/``hvd.allgather``) and torch.distributed share this one piece.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from .buckets import BucketEngine, Wait, bucket_bytes, plan_buckets
-from .parallelism import Communicator, Parallelism, state_tensors, to_cpu
+from .buckets import BucketEngine, bucket_bytes, plan_buckets
+from .comm import Communicator, Wait, state_tensors, to_cpu
+from .strategy import Strategy, same_optimizer
 
-if TYPE_CHECKING:
-    from .base import Backend
-
-__all__ = ["OwnedBucket", "ShardedOptimizer", "ZeroParallelism", "assign_owners", "same_optimizer"]
-
-
-def same_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    """A new optimizer of ``optimizer``'s class and defaults over other parameter ``groups``
-    (defaults that its constructor does not take, such as AdamW's derived flags, are left to
-    it)."""
-    import inspect
-
-    takes = inspect.signature(type(optimizer).__init__).parameters
-    anything = any(p.kind is p.VAR_KEYWORD for p in takes.values())
-    kwargs = {k: v for k, v in optimizer.defaults.items() if anything or k in takes}
-    return type(optimizer)(groups, **kwargs)
+__all__ = ["OwnedBucket", "ShardedOptimizer", "ZeroStrategy", "assign_owners"]
 
 
 def _indexed(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -122,11 +107,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     or more (a loop that accumulates without saying so) are still right: what has not started,
     or has grown since, is reduced in :meth:`reduce_gradients`."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, backend: Communicator, bucket_cap_mb: float = 25.0,
+    def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, bucket_cap_mb: float = 25.0,
                  backward_passes: int = 1) -> None:
         # no super().__init__: the wrapped optimizer's groups are this one's (no copy of params)
         self.wrapped = optimizer
-        self.backend = backend
+        self.comm = comm
         self.defaults = optimizer.defaults
         self.param_groups = optimizer.param_groups
         self.state: dict[Any, Any] = {}  # type: ignore[assignment]  # the state lives in self.local
@@ -134,11 +119,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = {}
         self.params = [p for g in self.param_groups for p in g["params"]]
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
-        rank = backend.rank
+        rank = comm.rank
         numels = [p.numel() for p in self.params]
         sizes = [p.numel() * p.element_size() for p in self.params]
         plan = plan_buckets(sizes, [(p.dtype, p.device) for p in self.params], bucket_bytes(sum(sizes), bucket_cap_mb))
-        self.buckets, self.owner = assign_owners(plan, numels, backend.size)
+        self.buckets, self.owner = assign_owners(plan, numels, comm.size)
         self.mine = [i for i, o in enumerate(self.owner) if o == rank]
         groups = []
         self._group_of_local: list[int] = []
@@ -173,7 +158,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _own_slots(self, bucket: OwnedBucket) -> Iterator[tuple[torch.Tensor, int]]:
         """(parameter, offset in this rank's segment) for the parameters it owns in ``bucket``."""
         at = 0
-        for i in bucket.segments[self.backend.rank]:
+        for i in bucket.segments[self.comm.rank]:
             yield self.params[i], at
             at += self.params[i].numel()
 
@@ -192,16 +177,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for _, p, at in self._slots(bucket):
                 if p.grad is not None:
                     flat[at:at + p.numel()].copy_(p.grad.reshape(-1))
-            return self.backend.start_reduce_scatter_mean(flat, name)
+            return self.comm.start_reduce_scatter_mean(flat, name)
         flat = torch.cat([self.params[i].grad.reshape(-1) if self.params[i].grad is not None
                           else torch.zeros(self.params[i].numel(), dtype=first.dtype, device=first.device)
                           for i in bucket.params])
-        return self.backend.start_allreduce_mean(flat, name)
+        return self.comm.start_allreduce_mean(flat, name)
 
     def reduce_gradients(self) -> None:
         """Wait for every bucket (the engine starts those backward did not): this rank's
         parameters get the averaged gradients, the rest none."""
-        rank = self.backend.rank
+        rank = self.comm.rank
         for bucket, out in zip(self.buckets, self.engine.finish()):
             if bucket.scatter:  # out is this rank's segment
                 for p, at in self._own_slots(bucket):
@@ -224,7 +209,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             g = self.params[i].grad
             if g is not None:
                 sq += g.detach().double().pow(2).sum().cpu()
-        return torch.as_tensor(math.sqrt(self.backend.allreduce_metric(sq, "sum")))
+        return torch.as_tensor(math.sqrt(self.comm.allreduce_metric(sq, "sum")))
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """``clip_grad_norm_`` over the whole model, on the owned, reduced gradients."""
@@ -252,7 +237,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Every rank takes every owner's updated parameters: one all-gather per scattered
         bucket, one broadcast from the owner per parameter of a replicated one, all started
         before the first is waited for."""
-        rank = self.backend.rank
+        rank = self.comm.rank
         waits: list[tuple[OwnedBucket, Callable[[], torch.Tensor]]] = []
         with torch.no_grad():
             for bucket in self.buckets:
@@ -261,10 +246,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     mine = torch.zeros(bucket.width, dtype=first.dtype, device=first.device)
                     for p, at in self._own_slots(bucket):
                         mine[at:at + p.numel()].copy_(p.reshape(-1))
-                    waits.append((bucket, self.backend.start_all_gather_flat(mine, f"zero.{bucket.index}")))
+                    waits.append((bucket, self.comm.start_all_gather_flat(mine, f"zero.{bucket.index}")))
                 else:
                     for i in bucket.params:
-                        waits.append((bucket, self.backend.start_broadcast_(self.params[i].data, self.owner[i],
+                        waits.append((bucket, self.comm.start_broadcast_(self.params[i].data, self.owner[i],
                                                                             f"zero.{bucket.index}.{i}")))
             for bucket, wait in waits:
                 flat = wait()
@@ -305,11 +290,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         local_sd = self.local.state_dict() if self.local is not None else {"state": {}}
         state: dict[int, Any] = {}
         for i, owner in enumerate(self.owner):
-            mine = local_sd["state"].get(local_index[i]) if owner == self.backend.rank else None
-            value = self.backend.broadcast_object(to_cpu(mine) if mine is not None else None, owner)
-            if self.backend.rank == 0 and value is not None:
+            mine = local_sd["state"].get(local_index[i]) if owner == self.comm.rank else None
+            value = self.comm.broadcast_object(to_cpu(mine) if mine is not None else None, owner)
+            if self.comm.rank == 0 and value is not None:
                 state[i] = value
-        if self.backend.rank != 0:
+        if self.comm.rank != 0:
             return {}
         return {"state": state, "param_groups": _indexed(self.param_groups)}
 
@@ -340,12 +325,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def scatter_pending(self, root: int = 0) -> None:
         """Collective: every rank takes from ``root``'s loaded ``state_dict`` the state of the
         parameters it owns, one parameter at a time, and ``root``'s hyper-parameters."""
-        full = self._pending if self.backend.rank == root else None
+        full = self._pending if self.comm.rank == root else None
         mine = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        hyper = self.backend.broadcast_object(mine, root)  # root's (every rank sends a same-shaped list)
+        hyper = self.comm.broadcast_object(mine, root)  # root's (every rank sends a same-shaped list)
         for group, h in zip(self.param_groups, hyper):
             group.update(h)
-        has_state = self.backend.broadcast_object(bool(full and full["state"]), root)
+        has_state = self.comm.broadcast_object(bool(full and full["state"]), root)
         if not has_state:
             self._pending = None
             return
@@ -353,51 +338,55 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for i, owner in enumerate(self.owner):
             if owner == root:
                 continue  # root loaded its own already
-            value = self.backend.broadcast_object(_entry(full["state"], i) if full is not None else None, root)
-            if owner == self.backend.rank and value is not None:
+            value = self.comm.broadcast_object(_entry(full["state"], i) if full is not None else None, root)
+            if owner == self.comm.rank and value is not None:
                 received[i] = value
-        if self.backend.rank != root:
+        if self.comm.rank != root:
             self._load_mine(received)
         self._pending = None
 
 
-class ZeroParallelism(Parallelism):
+class ZeroStrategy(Strategy):
     """``--shard optimizer``: whole parameters on every rank, each rank stepping and holding
-    state for the ones it owns (:class:`ShardedOptimizer`), on any backend's collectives."""
+    state for the ones it owns (:class:`ShardedOptimizer`), on any communicator's collectives."""
 
     shard = "optimizer"
 
-    def __init__(self, backend: Backend) -> None:
-        super().__init__(backend)
+    def __init__(self, comm: Communicator, bucket_cap_mb: float, backward_passes: int) -> None:
+        super().__init__(comm)
+        self.bucket_cap_mb, self.backward_passes = bucket_cap_mb, backward_passes
         self.optimizer: ShardedOptimizer | None = None
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
-        config = self.backend.config
-        self.optimizer = ShardedOptimizer(optimizer, self.backend, bucket_cap_mb=self.backend.bucket_cap_mb,
-                                          backward_passes=config.accumulation_steps)
+        self.optimizer = ShardedOptimizer(optimizer, self.comm, bucket_cap_mb=self.bucket_cap_mb,
+                                          backward_passes=self.backward_passes)
         return model, self.optimizer
 
-    def accumulate(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()  # the engine counts backward passes itself
+    def _sharded(self) -> ShardedOptimizer:
+        assert self.optimizer is not None, "wrap() comes first"
+        return self.optimizer
+
+    # accumulate: the default nullcontext; the engine counts backward passes itself
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
-                       clip_grad_norm: float | None) -> None:
+                       clip_grad_norm: float | None) -> float:
         """Reduce-scatter, clip the owned reduced gradients by the global norm, step, all-gather
         (no scaler: the config refuses fp16 with sharding)."""
-        assert isinstance(optimizer, ShardedOptimizer)
-        waited = optimizer.waited
-        optimizer.step(clip_grad_norm=clip_grad_norm)
-        self.backend.comm_wait += optimizer.waited - waited
+        sharded = self._sharded()
+        waited = sharded.waited
+        sharded.step(clip_grad_norm=clip_grad_norm)
+        return sharded.waited - waited
 
     def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int) -> None:
-        assert isinstance(optimizer, ShardedOptimizer)
-        optimizer.scatter_pending(root)  # each rank takes the part it owns
+        self._sharded().scatter_pending(root)  # each rank takes the part it owns
 
-    def held(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The owned part: its state, and its gradients, which are all that survive the reduction."""
-        assert isinstance(optimizer, ShardedOptimizer)
-        grads = [optimizer.params[i] for i in optimizer.mine if optimizer.params[i].requires_grad]
-        return grads, state_tensors(optimizer.local)
+    def held(self, model: nn.Module,
+             optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Any]]:
+        """Every parameter; of the owned part, its state and its gradients, which are all that
+        survive the reduction."""
+        sharded = self._sharded()
+        grads = [sharded.params[i] for i in sharded.mine if sharded.params[i].requires_grad]
+        return list(model.parameters()), grads, state_tensors(sharded.local)
 
-    def report(self) -> dict[str, int] | None:
-        return dict(self.optimizer.overlap) if self.optimizer is not None else None
+    def report(self) -> dict[str, Any]:
+        return {"shard_overlap": dict(self.optimizer.overlap)} if self.optimizer is not None else {}

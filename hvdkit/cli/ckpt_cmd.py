@@ -116,7 +116,7 @@ def data_group() -> None:
 @translate_errors
 def import_digits_command(directory: str, image_size: int, channels: str) -> None:
     """scikit-learn's 1,797 handwritten digits -> DIRECTORY/train.h5 and val.h5 (300 held out)."""
-    from ..datasets import import_digits
+    from ..importers import import_digits
 
     info = import_digits(directory, image_size, int(channels))
     click.echo(f"wrote {info['directory']}/train.h5 ({info['train']} images) and val.h5 ({info['val']}), "
@@ -136,7 +136,7 @@ def import_text_command(directory: str, block: int, max_bytes: int) -> None:
     The last 10% (whole modules) is the validation set. Prints the vocabulary size and the
     unigram baseline a language model must beat.
     """
-    from ..datasets import import_text
+    from ..importers import import_text
 
     info = import_text(directory, block, max_bytes)
     click.echo(f"wrote {info['directory']}/train.h5 ({info['train']} windows) and val.h5 ({info['val']}) from "

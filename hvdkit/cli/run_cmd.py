@@ -18,7 +18,7 @@ from ..backends.traits import DEFAULT_BACKEND, LAUNCHABLE
 from ..environments import check_network_interface
 from ..errors import ConfigError
 from ..fileio import write_text_atomic
-from ..launch.elastic import DEFAULT_ELASTIC_TIMEOUT, discover, elastic_interface
+from ..launch.discovery import DEFAULT_ELASTIC_TIMEOUT, discover, elastic_interface
 from ..launch.local import (
     CONTROLLERS,
     LocalLaunch,

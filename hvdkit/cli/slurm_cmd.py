@@ -38,7 +38,7 @@ def build_job(o: dict[str, Any]) -> SlurmJob:
     """Translate parsed ``hvdkit slurm`` options into a :class:`SlurmJob` (pure)."""
     env = list(_pairs(tuple(o["env"]), "--env"))
     hvd = HorovodOptions(fusion_threshold_mb=o["fusion_threshold_mb"], cycle_time_ms=o["cycle_time_ms"])
-    env += sorted(hvd.environment().items())  # the one HOROVOD_* mapping (config.HorovodOptions)
+    env += sorted(hvd.env_vars().items())  # the one HOROVOD_* mapping (config.HorovodOptions)
     if o["iface"]:
         env += sorted(iface_env(o["iface"]).items())
     if is_program(tuple(o["args"])):  # a program of your own: BackendConfig() follows --backend

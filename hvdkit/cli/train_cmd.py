@@ -264,15 +264,11 @@ def usage_checked(options: dict[str, Any]) -> TrainConfig:
             from ..models import check_builtin_args
 
             check_builtin_args(cfg.model, cfg.model_args)
-        for value, args, what in ((cfg.model, cfg.model_args, "--model"), (cfg.dataset, cfg.dataset_args, "--dataset"),
-                                  (cfg.task, {}, "--task"),
-                                  (cfg.optimizer, {"lr": cfg.lr, **cfg.optimizer_args}, "--optimizer")):
-            if value and ":" in value:
-                resolve(value, args, what=what, skip=1 if what == "--optimizer" else 0)
+        for value, args, what, skip in cfg.import_paths():
+            resolve(value, args, what=what, skip=skip)
         from ..optim import check_optimizer
-        from .validate import check_outputs
 
-        check_outputs(cfg)
+        cfg.check_outputs()
         check_optimizer(cfg)  # imports torch: hvdkit train is about to anyway
     except ConfigError as exc:
         from ..environments import launcher_rank

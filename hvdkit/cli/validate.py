@@ -52,7 +52,7 @@ def check_train_args(args: Sequence[str], where: str = "after '--'", backend: st
         ctx = train_command.make_context("hvdkit train", given, resilient_parsing=False)
         cfg = build_train_config(ctx.params)
         check_import_paths(cfg)
-        check_outputs(cfg)
+        cfg.check_outputs()
     except click.NoSuchOption as exc:
         raise click.UsageError(_unknown_option(exc, where)) from None
     except click.UsageError as exc:
@@ -62,30 +62,13 @@ def check_train_args(args: Sequence[str], where: str = "after '--'", backend: st
         raise click.UsageError(f"training option {where}: {exc}") from None
 
 
-def check_outputs(cfg: TrainConfig) -> None:
-    """Every path the run will write can be written: found now, not after the training (a
-    metrics file) or at the first step (TensorBoard, the sample log, the timeline)."""
-    from ..fileio import check_writable
-
-    for value, what, directory in ((cfg.metrics_file, "--metrics-file", False), (cfg.sample_log, "--sample-log", False),
-                                   (cfg.tensorboard, "--tensorboard", True), (cfg.backend.horovod.timeline,
-                                                                              "--timeline", False),
-                                   (cfg.checkpoint_dir, "--checkpoint-dir", True)):
-        if value:
-            check_writable(value, what, directory)
-
-
 def check_import_paths(cfg: TrainConfig) -> None:
     """Models, datasets, tasks and optimizers named by import path exist, and their arguments
     are ones they take, as far as can be seen without importing them (no torch here)."""
-    from ..factories import check_static, is_import_path
+    from ..factories import check_static
 
-    for value, args, what, skip in ((cfg.model, cfg.model_args, "--model", 0),
-                                    (cfg.dataset, cfg.dataset_args, "--dataset", 0),
-                                    (cfg.task, {}, "--task", 0),
-                                    (cfg.optimizer, {"lr": cfg.lr, **cfg.optimizer_args}, "--optimizer", 1)):
-        if value and is_import_path(value):
-            check_static(value, args, what=what, skip=skip)
+    for value, args, what, skip in cfg.import_paths():
+        check_static(value, args, what=what, skip=skip)
 
 
 def _unknown_option(exc: click.NoSuchOption, where: str) -> str:

@@ -120,7 +120,7 @@ class LocalLaunch:
     discovery_script: str | None = None
     iface: str | None = None
     blacklist_cooldown: tuple[int, int] | None = None  # elastic: (min, max) s a failed host waits
-    elastic_nic: str | None = None   # elastic: horovodrun's --network-interface (see launch/elastic.py)
+    elastic_nic: str | None = None   # elastic: horovodrun's --network-interface (see launch/discovery.py)
     elastic_timeout: int | None = None  # elastic: s horovodrun waits for --min-np slots, then fails
 
     def __post_init__(self) -> None:

@@ -56,7 +56,7 @@ def main() -> None:
         nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
         after.append([p.detach().clone() for p in net.parameters()])
-    psgd = state if mode == "torch" else backend.powersgd.state
+    psgd = state if mode == "torch" else backend.strategy.powersgd.state
     torch.save({"after": after, "iter": psgd.iter, "errors": {k: v.clone() for k, v in psgd.error_dict.items()},
                 "before": psgd.total_numel_before_compression, "sent": psgd.total_numel_after_compression},
                out / f"{mode}-rank{backend.rank}.pt")

@@ -1,0 +1,206 @@
+"""How the model and optimizer are spread over the ranks: one :class:`Strategy`, chosen once.
+
+A strategy owns everything that depends on how the state is spread: wrapping the model and
+optimizer, the micro-batch context, the optimizer step, the whole state for a checkpoint
+(gathered where sharded), loading it, the broadcast that scatters it, evaluation batches and
+the memory report. It talks to the other ranks only through a
+:class:`~hvdkit.backends.comm.Communicator`. The modes (``--shard``):
+
+* replicated (``none``): every rank holds everything. :class:`Replicated` is its plain form,
+  for a communicator without a reducer of its own (the single-process backend); each backend
+  with one supplies its subclass (``DDPReplicated`` in ``ddp.py``, ``HorovodReplicated`` in
+  ``horovod.py``), which owns that reducer, its compression and its quirks.
+* ``optimizer``: ZeRO-1/2 on any communicator (:mod:`hvdkit.backends.zero`).
+* ``full``: FSDP2 (:mod:`hvdkit.backends.fsdp`).
+
+:mod:`hvdkit.backends.modes` holds which class serves which ``--shard``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Sized
+from typing import Any
+
+import torch
+from torch import nn
+
+from .comm import Communicator, broadcast_tensors, state_tensors, to_cpu
+from .powersgd import STATE_KEY as POWERSGD_KEY
+from .powersgd import PowerSGD, apply_state, gather_state
+
+__all__ = ["Strategy", "Replicated", "local_step", "clip_gradients", "same_optimizer"]
+
+
+def same_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """A new optimizer of ``optimizer``'s class and defaults over other parameter ``groups``
+    (defaults that its constructor does not take, such as AdamW's derived flags, are left to
+    it)."""
+    import inspect
+
+    takes = inspect.signature(type(optimizer).__init__).parameters
+    anything = any(p.kind is p.VAR_KEYWORD for p in takes.values())
+    kwargs = {k: v for k, v in optimizer.defaults.items() if anything or k in takes}
+    return type(optimizer)(groups, **kwargs)
+
+
+def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` over every parameter the optimizer updates; returns the norm before."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def local_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+               clip_grad_norm: float | None) -> None:
+    """Unscale (fp16 ``scaler``), clip to ``clip_grad_norm``, step: for gradients that are
+    already reduced."""
+    if clip_grad_norm:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        clip_gradients(optimizer, clip_grad_norm)
+    if scaler is None:
+        optimizer.step()
+        return
+    scaler.step(optimizer)
+    scaler.update()
+
+
+class Strategy:
+    """The interface, and what a replicated model does where a mode does not say otherwise."""
+
+    shard = "none"                 # BackendConfig.shard's value for this strategy
+    replicates_parameters = True   # False: each rank holds part of the parameters (FSDP)
+    comm_wait_measured = True      # False: the gradient wait cannot be told from compute
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    # -- training -------------------------------------------------------------------------
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """``model`` is on the device already; make its gradients data-parallel."""
+        return model, optimizer
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The plain module inside what :meth:`wrap` returned (for ``state_dict``)."""
+        return model
+
+    def accumulate(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[None]:
+        """Context for one micro-batch's backward; ``sync=False`` skips communication."""
+        return contextlib.nullcontext()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+                       clip_grad_norm: float | None) -> float:
+        """Apply the reduced gradients (unscale, clip, step); returns the seconds this step waited
+        for communication that compute did not hide."""
+        local_step(optimizer, scaler, clip_grad_norm)
+        return 0.0
+
+    def join(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Around a loop in which ranks take different numbers of steps (see ``Backend.join``)."""
+        return contextlib.nullcontext()
+
+    def reset(self) -> None:
+        """The world was re-formed (elastic): nothing in flight of the old one survives."""
+
+    # -- the whole state, for checkpoints and elastic commits ------------------------------
+    def module_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The whole model's ``state_dict`` (gathered where sharded)."""
+        return self.unwrap(model).state_dict()
+
+    def replica_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """Collective where sharded: the whole model as this rank's replica holds it (where no
+        rank holds one, rank 0 gets the gathered whole)."""
+        return self.unwrap(model).state_dict()
+
+    def load_module_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`module_state_dict` on this rank (where sharded, rank 0 holds it
+        until :meth:`broadcast_state` scatters it)."""
+        self.unwrap(model).load_state_dict(state)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The whole optimizer's ``state_dict`` (gathered where sharded)."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`optimizer_state_dict` on this rank."""
+        optimizer.load_state_dict(state)
+
+    def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, root: int) -> None:
+        """Collective: every rank takes ``root``'s model and optimizer state. The optimizer
+        first: Horovod's optimizer broadcast may take a zero-gradient step on a rank that had
+        no state, and the parameters' broadcast must come after it."""
+        if optimizer is not None:
+            self.broadcast_optimizer(optimizer, root)
+        broadcast_tensors(self.comm, self.unwrap(model).state_dict().items(), root)
+
+    def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int) -> None:
+        """Collective: every rank takes ``root``'s whole optimizer state."""
+        state = self.comm.broadcast_object(to_cpu(optimizer.state_dict()) if self.comm.rank == root else None, root)
+        if self.comm.rank != root and state is not None:
+            optimizer.load_state_dict(state)
+
+    def sync_buffers(self, model: nn.Module, root: int = 0) -> None:
+        """Every rank takes ``root``'s buffers (BatchNorm running statistics; see ``Backend.sync_buffers``)."""
+        broadcast_tensors(self.comm, self.unwrap(model).named_buffers(), root)
+
+    # -- evaluation and reports --------------------------------------------------------------
+    def eval_module(self, model: nn.Module) -> nn.Module:
+        """What held-out evaluation runs: the plain module (no gradient hooks, no collective)."""
+        return self.unwrap(model)
+
+    def eval_batches(self, loader: Iterable[Any], shard: Sized) -> Iterator[tuple[Any, int]]:
+        """This rank's evaluation batches with their weight (1 each)."""
+        for batch in loader:
+            yield batch, 1
+
+    def held(self, model: nn.Module,
+             optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Any]]:
+        """What this rank holds between steps, for the memory report: its parameters, the
+        gradients it keeps, and its optimizer state's tensors (each as this rank holds it)."""
+        params: list[torch.Tensor] = list(self.unwrap(model).parameters())
+        return params, [p for p in params if p.requires_grad], state_tensors(optimizer)
+
+    def report(self) -> dict[str, Any]:
+        """What this strategy has to say in the metrics file, by ``TrainResult`` field
+        (``shard_overlap``: ZeRO's buckets; ``compression``: PowerSGD's settings and savings)."""
+        return {}
+
+
+class Replicated(Strategy):
+    """``--shard none``: the interface's replicated defaults, plus what every replicated
+    reducer with ``--compression powersgd`` shares: its state in the optimizer's checkpoint
+    (every rank's error feedback gathered; the broadcast after a load gives each rank its own).
+    As it is, the strategy of a communicator without a reducer of its own (one process); the
+    backends' reducers subclass it."""
+
+    def __init__(self, comm: Communicator) -> None:
+        super().__init__(comm)
+        self.powersgd: PowerSGD | None = None  # set by a subclass's wrap with --compression powersgd
+        self._powersgd_loaded: dict[str, Any] | None = None  # rank 0's, between a load and the broadcast
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        state = optimizer.state_dict()
+        return state if self.powersgd is None else {**state, POWERSGD_KEY: gather_state(self.comm, self.powersgd)}
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        state = dict(state)
+        saved = state.pop(POWERSGD_KEY, None)
+        optimizer.load_state_dict(state)
+        if self.powersgd is not None:
+            self._powersgd_loaded = saved  # None: saved without PowerSGD, which starts afresh
+            apply_state(self.comm, self.powersgd, saved)
+
+    def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int) -> None:
+        self.broadcast_replicated_optimizer(optimizer, root)
+        if self.powersgd is not None:  # what root loaded (and applied), each rank its own error feedback
+            saved = self.comm.broadcast_object(self._powersgd_loaded if self.comm.rank == root else None, root)
+            if self.comm.rank != root:
+                apply_state(self.comm, self.powersgd, saved)
+            self._powersgd_loaded = None
+
+    def broadcast_replicated_optimizer(self, optimizer: torch.optim.Optimizer, root: int) -> None:
+        """The optimizer's own state from ``root`` (a reducer with its own broadcast overrides it)."""
+        super().broadcast_optimizer(optimizer, root)
+
+    def report(self) -> dict[str, Any]:
+        return {"compression": self.powersgd.report()} if self.powersgd is not None else {}
