@@ -11,13 +11,22 @@ Encoding (one rule per kind, recorded in the ``kind`` attribute):
   (tuples tagged as ``{"__tuple__": [...]}`` so they come back as tuples)
 
 Names are escaped (``%`` -> ``%25``, ``/`` -> ``%2F``) because HDF5 uses ``/``.
+
+Large trees are written in two passes so that no process holds them whole: :func:`layout_tree`
+creates every group, attribute and (empty, allocated) dataset, with each tensor leaf's file
+offset; the bytes then go there one leaf at a time (a :class:`Deferred` leaf is fetched only
+then). Reading can be lazy the same way: :func:`read_tree` with ``lazy=True`` gives
+:class:`Stored` leaves, read (and their CRC checked) when asked.
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import json
+import os
 import zlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,7 +34,9 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["write_tree", "read_tree", "crc32_of", "ChecksumMismatch"]
+__all__ = ["write_tree", "read_tree", "crc32_of", "ChecksumMismatch", "Deferred", "Stored", "Slot",
+           "layout_tree", "tree_leaves", "materialize", "resolve", "to_numpy", "SparseImage",
+           "contiguous_dataset"]
 
 
 @functools.cache
@@ -57,6 +68,11 @@ def _escape(name: str) -> str:
 
 def _unescape(name: str) -> str:
     return "" if name == "%00" else name.replace("%2F", "/").replace("%25", "%")
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes as the numpy array a file stores (bf16 and friends as same-width ints)."""
+    return _tensor_to_numpy(t)
 
 
 def _tensor_to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -94,10 +110,227 @@ def _untag(obj: Any) -> Any:
     return obj
 
 
+class Deferred:
+    """A tensor leaf that is fetched only when the writer reaches it: ``fetch()`` is called once,
+    in :func:`tree_leaves` order, on every rank (it may be a collective: a gather from the
+    ranks that hold parts of it), and returns the tensor where it is written (rank 0) and
+    anything elsewhere. ``shape`` and ``dtype`` are known before, so the file can be laid out."""
+
+    __slots__ = ("fetch", "shape", "dtype")
+
+    def __init__(self, fetch: Any, shape: tuple[int, ...], dtype: Any) -> None:
+        self.fetch, self.shape, self.dtype = fetch, tuple(shape), dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+class Stored:
+    """A tensor leaf of an open file, read (and its CRC checked) by :meth:`read`."""
+
+    __slots__ = ("dataset", "verify", "tensors")
+
+    def __init__(self, dataset: Any, verify: bool, tensors: bool) -> None:
+        self.dataset, self.verify, self.tensors = dataset, verify, tensors
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.dataset.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.dataset.nbytes)
+
+    def read(self) -> Any:
+        return _read_dataset(self.dataset, self.verify, self.tensors)
+
+
+def materialize(tree: Any) -> Any:
+    """``tree`` with every :class:`Stored` leaf read (for the small parts of a lazy tree)."""
+    if isinstance(tree, Stored):
+        return tree.read()
+    if isinstance(tree, dict):
+        return {k: materialize(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(materialize(v) for v in tree)
+    return tree
+
+
+def resolve(tree: Any) -> Any:
+    """``tree`` with every :class:`Deferred` leaf fetched, in :func:`tree_leaves` order."""
+    if isinstance(tree, Deferred):
+        return tree.fetch()
+    if isinstance(tree, dict):
+        return {k: resolve(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(resolve(v) for v in tree)
+    return tree
+
+
+def _is_leaf(obj: Any) -> bool:
+    import torch
+
+    return isinstance(obj, (torch.Tensor, np.ndarray, Deferred, Stored))
+
+
+def tree_leaves(obj: Any) -> Any:
+    """Every array leaf (tensor, ndarray, :class:`Deferred`) in the order :func:`layout_tree`
+    writes them; what every rank walks to fetch deferred leaves in one order."""
+    if _is_leaf(obj):
+        yield obj
+    elif isinstance(obj, dict) and _has_arrays(obj):
+        for v in obj.values():
+            yield from tree_leaves(v)
+    elif isinstance(obj, (list, tuple)) and _has_arrays(obj):
+        for v in obj:
+            yield from tree_leaves(v)
+
+
+class SparseImage(io.RawIOBase):
+    """A file in memory that holds only the pages written to it (reads elsewhere are zeros).
+    HDF5 lays a large file out here (``h5py.File(image, "w")``): its metadata costs memory,
+    its datasets' allocated space does not; :meth:`write_to` then puts the pages in a real
+    file, and the datasets' bytes follow with plain ``pwrite``. So HDF5 itself never writes
+    to a disk that may be full (a write that failed inside HDF5 once crashed the process when
+    the file was closed), and no process holds the file's data."""
+
+    PAGE = 4096
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pages: dict[int, bytearray] = {}
+        self.pos = self.size = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.size + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def _spans(self, start: int, length: int) -> Iterator[tuple[int, int, int, int]]:
+        """(page, offset in page, offset in the caller's buffer, length) covering a range."""
+        at = 0
+        while at < length:
+            page, within = divmod(start + at, self.PAGE)
+            k = min(self.PAGE - within, length - at)
+            yield page, within, at, k
+            at += k
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), max(0, self.size - self.pos))
+        out = memoryview(buffer).cast("B")
+        for page, within, at, k in self._spans(self.pos, n):
+            held = self.pages.get(page)
+            out[at:at + k] = held[within:within + k] if held is not None else bytes(k)
+        self.pos += n
+        return n
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for page, within, at, k in self._spans(self.pos, len(view)):
+            self.pages.setdefault(page, bytearray(self.PAGE))[within:within + k] = view[at:at + k]
+        self.pos += len(view)
+        self.size = max(self.size, self.pos)
+        return len(view)
+
+    def truncate(self, size: int | None = None) -> int:
+        self.size = self.pos if size is None else size
+        for page in [p for p in self.pages if p * self.PAGE >= self.size]:
+            del self.pages[page]
+        return self.size
+
+    def write_to(self, fd: int) -> None:
+        """Its pages into a real file (plain ``pwrite``: a full disk is an OSError here), sized."""
+        for page, held in sorted(self.pages.items()):
+            end = min(self.PAGE, self.size - page * self.PAGE)
+            view, at = memoryview(held)[:end], page * self.PAGE
+            while view:
+                written = os.pwrite(fd, view, at)
+                view, at = view[written:], at + written
+        os.ftruncate(fd, self.size)
+
+
+def contiguous_dataset(group: Any, key: str, np_dtype: Any, shape: tuple[int, ...]) -> Any:
+    """An empty, contiguous dataset whose space is allocated now (and never filled by HDF5):
+    its bytes are then one range of the file, at ``ds.id.get_offset()``."""
+    import h5py
+
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    space = h5py.h5s.create(h5py.h5s.SCALAR) if shape == () else h5py.h5s.create_simple(shape)
+    return h5py.Dataset(h5py.h5d.create(group.id, key.encode(), h5py.h5t.py_create(np.dtype(np_dtype)), space,
+                                        dcpl=dcpl))
+
+
+class Slot:
+    """Where a leaf's bytes go: the dataset's absolute file offset, its numpy dtype and shape."""
+
+    __slots__ = ("name", "offset", "dtype", "shape")
+
+    def __init__(self, name: str, offset: int | None, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+        self.name, self.offset, self.dtype, self.shape = name, offset, dtype, shape
+
+
+def _leaf_spec(obj: Any) -> tuple[np.dtype, tuple[int, ...], dict[str, Any]]:
+    """The numpy dtype and shape a leaf is stored with, and its attributes (but its CRC)."""
+    import torch
+
+    if isinstance(obj, np.ndarray):
+        return obj.dtype, tuple(obj.shape), {"kind": "ndarray"}
+    dtype = obj.dtype
+    native, by_width = _dtype_tables()
+    shape = tuple(obj.shape)
+    stored = dtype if dtype in native else by_width[torch.empty((), dtype=dtype).element_size()]
+    np_dtype = torch.empty((), dtype=stored).numpy().dtype
+    return np_dtype, shape, {"kind": "tensor", "torch_dtype": str(dtype).removeprefix("torch.")}
+
+
+def layout_tree(group: Any, name: str, obj: Any) -> list[Slot]:
+    """Create ``obj``'s groups, JSON attributes and empty, allocated, contiguous datasets under
+    ``group[name]``; returns one :class:`Slot` per array leaf, in :func:`tree_leaves` order.
+    The caller writes each leaf's bytes at its offset and then its ``crc32`` attribute."""
+
+    key = _escape(str(name))
+    if _is_leaf(obj):
+        np_dtype, shape, attrs = _leaf_spec(obj)
+        ds = contiguous_dataset(group, key, np_dtype, shape)
+        ds.attrs.update({**attrs, "crc32": np.uint32(0)})
+        numel = int(np.prod(shape, dtype=np.int64))
+        return [Slot(ds.name, ds.id.get_offset() if numel else None, np_dtype, shape)]
+    if isinstance(obj, dict) and _has_arrays(obj):
+        sub = group.create_group(key, track_order=True)
+        sub.attrs["kind"] = "dict"
+        key_types = {str(k): type(k).__name__ for k in obj if not isinstance(k, str)}
+        slots = [slot for k, v in obj.items() for slot in layout_tree(sub, str(k), v)]
+        sub.attrs["order"] = json.dumps([str(k) for k in obj])
+        if key_types:
+            sub.attrs["key_types"] = json.dumps(key_types)
+        return slots
+    if isinstance(obj, (list, tuple)) and _has_arrays(obj):
+        sub = group.create_group(key, track_order=True)
+        sub.attrs["kind"] = "tuple" if isinstance(obj, tuple) else "list"
+        return [slot for i, v in enumerate(obj) for slot in layout_tree(sub, str(i), v)]
+    group.attrs["json:" + key] = json.dumps(_tag(obj), default=_json_default)
+    return []
+
+
 def _has_arrays(obj: Any) -> bool:
     import torch
 
-    if isinstance(obj, (torch.Tensor, np.ndarray)):
+    if isinstance(obj, (torch.Tensor, np.ndarray, Deferred, Stored)):
         return True
     if isinstance(obj, dict):
         return any(_has_arrays(v) for v in obj.values())
@@ -158,10 +391,11 @@ def _read_dataset(ds: Any, verify: bool, tensors: bool) -> Any:
     return tensor
 
 
-def read_tree(group: Any, name: str, verify: bool = True, tensors: bool = True) -> Any:
+def read_tree(group: Any, name: str, verify: bool = True, tensors: bool = True, lazy: bool = False) -> Any:
     """Inverse of :func:`write_tree`. Raises :class:`ChecksumMismatch` on corrupt data.
 
-    ``tensors=False`` returns tensors as the numpy arrays stored (no torch import).
+    ``tensors=False`` returns tensors as the numpy arrays stored (no torch import); ``lazy``
+    returns :class:`Stored` leaves, read when asked (the file must stay open until then).
     """
     import h5py
 
@@ -170,18 +404,18 @@ def read_tree(group: Any, name: str, verify: bool = True, tensors: bool = True) 
         return _untag(json.loads(group.attrs["json:" + key]))
     node = group[key]
     if isinstance(node, h5py.Dataset):
-        return _read_dataset(node, verify, tensors)
+        return Stored(node, verify, tensors) if lazy else _read_dataset(node, verify, tensors)
     kind = node.attrs.get("kind", "dict")
     members = _children(node)
     if kind in ("list", "tuple"):
-        items = [read_tree(node, str(i), verify, tensors) for i in range(len(members))]
+        items = [read_tree(node, str(i), verify, tensors, lazy) for i in range(len(members))]
         return tuple(items) if kind == "tuple" else items
     key_types = json.loads(node.attrs.get("key_types", "{}"))
     out = {}
     for member in members:
         raw = _unescape(member)
         k = _KEY_TYPES[key_types[raw]](raw) if raw in key_types else raw  # type: ignore[operator]
-        out[k] = read_tree(node, raw, verify, tensors)
+        out[k] = read_tree(node, raw, verify, tensors, lazy)
     return out
 
 

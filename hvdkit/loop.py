@@ -101,17 +101,24 @@ class TrainResult:
         return self.epoch_losses[-1] if self.epoch_losses else float("nan")
 
 
-def param_digest(model: nn.Module | dict[str, torch.Tensor]) -> str:
+def param_digest(model: nn.Module | dict[str, Any]) -> str:
     """SHA-256 of all parameters and buffers (a module or its state dict), to compare ranks and
     runs bit for bit. A wrapper's (DDP's, ``DataParallel``'s) ``module.`` prefix, on every key,
-    is dropped: the same weights give the same digest whatever holds them."""
+    is dropped: the same weights give the same digest whatever holds them. A state dict with
+    :class:`~hvdkit.h5tree.Deferred` tensors (a sharded model's) is hashed one tensor at a
+    time as each is fetched (collective: call it on every rank); ranks that get no tensor
+    (all but rank 0) return a digest of the names only, which nothing compares."""
+    from .h5tree import Deferred
+
     state = model if isinstance(model, dict) else model.state_dict()
     if state and all(name.startswith("module.") for name in state):
         state = {name[len("module."):]: tensor for name, tensor in state.items()}
     h = hashlib.sha256()
     for name, tensor in state.items():
         h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        value = tensor.fetch() if isinstance(tensor, Deferred) else tensor
+        if value is not None:
+            h.update(value.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 

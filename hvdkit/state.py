@@ -53,13 +53,18 @@ def kinds(states: dict[str, Any]) -> dict[str, str]:
     return {key: kind_of(obj) for key, obj in states.items()}
 
 
-def capture(states: dict[str, Any], backend: Backend, *, copy_: bool = False) -> dict[str, Any]:
+def capture(states: dict[str, Any], backend: Backend, *, copy_: bool = False, lazy: bool = False) -> dict[str, Any]:
     """Every state as plain data (state dicts and values), as this rank holds it.
 
     Modules and optimizers go through the backend's strategy (``Strategy.module_state_dict``:
-    the plain module inside a wrapper; a sharded module is gathered, which makes this collective). ``copy_`` deep-copies
-    the result, for a snapshot that training must not change (elastic commits).
+    the plain module inside a wrapper; a sharded one gathered, which makes this collective).
+    ``lazy`` leaves a sharded tensor :class:`~hvdkit.h5tree.Deferred`, gathered only when a
+    checkpoint writer fetches it (every rank fetches in one order); otherwise each is
+    fetched now. ``copy_`` deep-copies the result, for a snapshot that training must not
+    change (elastic commits).
     """
+    from .h5tree import resolve
+
     out: dict[str, Any] = {}
     for key, obj in states.items():
         kind = kind_of(obj)
@@ -71,6 +76,8 @@ def capture(states: dict[str, Any], backend: Backend, *, copy_: bool = False) ->
             out[key] = obj.state_dict()
         else:
             out[key] = obj
+    if not lazy:
+        out = resolve(out)
     return copy.deepcopy(out) if copy_ else out
 
 
@@ -79,9 +86,12 @@ def apply(states: dict[str, Any], captured: dict[str, Any], backend: Backend,
     """Load ``captured`` into ``states`` in place on this rank; returns what ``states`` did not name.
 
     Plain values are replaced in the ``states`` dict itself. With ``strict`` a state that
-    ``captured`` lacks is an error naming it.
+    ``captured`` lacks is an error naming it. ``captured`` may hold tensors still in an open
+    checkpoint (:class:`~hvdkit.h5tree.Stored`): modules and optimizers read them one at a
+    time; everything else is read whole (it is small).
     """
     from .errors import CheckpointError
+    from .h5tree import materialize
 
     missing = [key for key in states if key not in captured]
     if strict and missing:
@@ -97,10 +107,10 @@ def apply(states: dict[str, Any], captured: dict[str, Any], backend: Backend,
         elif kind == "optimizer":
             backend.strategy.load_optimizer_state_dict(obj, captured[key])
         elif kind == "stateful":
-            obj.load_state_dict(captured[key])
+            obj.load_state_dict(materialize(captured[key]))
         else:
-            states[key] = captured[key]
-    return {key: value for key, value in captured.items() if key not in states}
+            states[key] = materialize(captured[key])
+    return {key: materialize(value) for key, value in captured.items() if key not in states}
 
 
 def broadcast(states: dict[str, Any], backend: Backend, root: int = 0) -> None:

@@ -138,6 +138,45 @@ def trained_state():
     return model, opt, sched
 
 
+def write_v3_checkpoint(path: Path, states: dict, step: int = 0, kinds: dict | None = None,
+                        rng: list | None = None) -> Path:
+    """A format 3 checkpoint, as hvdkit 0.4 wrote it (the whole file built in memory, sealed
+    with the 'hvdkit-checkpoint 2' header): what a user's old runs left, to read back."""
+    import io
+    import json
+
+    import h5py
+
+    from hvdkit.checkpoint.integrity import USERBLOCK, content_checksum
+    from hvdkit.h5tree import write_tree
+
+    buffer = io.BytesIO()
+    with h5py.File(buffer, "w", track_order=True, userblock_size=USERBLOCK) as f:
+        f.attrs.update({"format": "hvdkit-checkpoint", "format_version": 3, "step": step, "hvdkit_version": "0.4.0",
+                        "torch_version": str(torch.__version__), "created": "2026-12-04T00:00:00+0000",
+                        "world_size": 1, "backend": "local",
+                        "states": json.dumps(kinds or {k: "value" for k in states}), "metrics": json.dumps({})})
+        for key, value in states.items():
+            write_tree(f, key, value)
+        if rng:
+            write_tree(f, "rng", {str(i): r for i, r in enumerate(rng)})
+        f.attrs["checksum"] = content_checksum(f, data_bytes=True)
+    Path(path).write_bytes(seal_in_memory(bytearray(buffer.getvalue())))
+    return Path(path)
+
+
+def seal_in_memory(data: bytearray) -> bytes:
+    """The 'hvdkit-checkpoint 2' header (formats 2 and 3) written into a file built in memory."""
+    import hashlib
+
+    from hvdkit.checkpoint.integrity import MAGIC, USERBLOCK
+
+    body = bytes(data[USERBLOCK:])
+    header = MAGIC + f"size {len(body)}\nsha256 {hashlib.sha256(body).hexdigest()}\n".encode()
+    data[:len(header)] = header
+    return bytes(data)
+
+
 def assert_tree_equal(a, b, path="root"):
     assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
     if isinstance(a, torch.Tensor):

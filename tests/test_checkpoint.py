@@ -135,13 +135,13 @@ def test_content_checksum_covers_attributes_even_without_the_digest(tmp_path):
                                                                "loop": Progress(global_step=4).state_dict()},
                                                        meta={"step": 4}))
     with h5py.File(path, "r+") as f:
-        before = content_checksum(f)
+        before = content_checksum(f, data_bytes=False)  # format 4: each dataset by its CRC attribute
         assert before == int(f.attrs["checksum"])
         for edit in (lambda: f.attrs.__setitem__("step", 1),
                      lambda: f.attrs.__setitem__("json:loop", f.attrs["json:loop"].replace("4", "5")),
                      lambda: f["model"].attrs.__setitem__("order", "[]")):
             edit()
-            assert content_checksum(f) != before
+            assert content_checksum(f, data_bytes=False) != before
 
 
 def test_manager_keeps_last_n_and_falls_back_past_corrupt(tmp_path, caplog):
@@ -232,7 +232,8 @@ def test_a_format_2_checkpoint_of_hvdkit_0_2_still_resumes(tmp_path):
     """Files of the previous layout (groups model/optimizer/scheduler/loop) read as states."""
     import io
 
-    from hvdkit.checkpoint.integrity import USERBLOCK, content_checksum, seal
+    from helpers import seal_in_memory
+    from hvdkit.checkpoint.integrity import USERBLOCK, content_checksum
     from hvdkit.h5tree import write_tree
 
     model, opt, sched = trained_state()
@@ -247,7 +248,7 @@ def test_a_format_2_checkpoint_of_hvdkit_0_2_still_resumes(tmp_path):
                                "extra": {"loss_sums": [0.25], "loss_committed": 1.5, "steps_in_epoch": 0,
                                          "epoch_losses": [0.75]}})
         f.attrs["checksum"] = content_checksum(f)
-    (tmp_path / "ckpt-000000006.h5").write_bytes(seal(bytearray(buffer.getvalue())))
+    (tmp_path / "ckpt-000000006.h5").write_bytes(seal_in_memory(bytearray(buffer.getvalue())))
     fresh = build_model("mlp", seed=5)
     optimizer = torch.optim.Adam(fresh.parameters(), lr=1e-3)
     loop = Progress()

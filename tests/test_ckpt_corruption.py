@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
-from helpers import assert_tree_equal
+from helpers import assert_tree_equal, write_v3_checkpoint
 from hvdkit import BackendConfig, build_model
 from hvdkit.backends import LocalBackend
-from hvdkit.checkpoint import CheckpointManager, read_checkpoint
+from hvdkit.checkpoint import CheckpointManager, capture_rng, read_checkpoint
+from hvdkit.h5tree import materialize
 from hvdkit.progress import Progress
 
 FLIPS = 600
 
 
-def _two_checkpoints(directory):
-    """ckpt-1 and ckpt-2 of a tiny model with Adam, a scheduler and loop state."""
+def _two_checkpoints(directory, fmt):
+    """ckpt-1 and ckpt-2 of a tiny model with Adam, a scheduler and loop state, in format 4
+    (the manager's) or 3 (hvdkit 0.4's, which must stay readable)."""
     backend = LocalBackend(BackendConfig())
     torch.manual_seed(0)
     model = build_model("tiny")
@@ -35,12 +38,19 @@ def _two_checkpoints(directory):
         sched.step()
         loop = Progress(epoch=0, global_step=step, samples_seen=8 * step, samples_in_epoch=8 * step,
                         loss_sums=[0.5 * step])
-        mgr.save(step, {"model": model, "optimizer": opt, "scheduler": sched, "loop": loop})
+        states = {"model": model, "optimizer": opt, "scheduler": sched, "loop": loop}
+        if fmt == 4:
+            mgr.save(step, states)
+        else:
+            write_v3_checkpoint(mgr.path_for(step), {k: v.state_dict() for k, v in states.items()}, step,
+                                {"model": "module", "optimizer": "optimizer", "scheduler": "stateful",
+                                 "loop": "stateful"}, [capture_rng()])
     return mgr
 
 
-def test_random_byte_flips_are_detected_or_harmless(tmp_path, caplog):
-    mgr = _two_checkpoints(tmp_path)
+@pytest.mark.parametrize("fmt", [4, 3])
+def test_random_byte_flips_are_detected_or_harmless(tmp_path, caplog, fmt):
+    mgr = _two_checkpoints(tmp_path, fmt)
     newest = tmp_path / "ckpt-000000002.h5"
     pristine_bytes = newest.read_bytes()
     pristine = read_checkpoint(newest)
@@ -56,7 +66,9 @@ def test_random_byte_flips_are_detected_or_harmless(tmp_path, caplog):
         found = mgr.find_latest_valid()  # must not raise, whatever the damage
         warning = "".join(r.getMessage() + "\n" for r in caplog.records if r.name == "hvdkit")
         assert found is not None, f"flip at byte {offset}: no checkpoint found at all"
-        path, snap = found
+        with found:
+            path, snap = found.path, found.snapshot
+            snap.states = materialize(snap.states)
         if path == newest:  # accepted: then it must restore exactly what was written
             assert warning == "", f"flip at byte {offset}: accepted but warned"
             got, want = snap, pristine

@@ -13,7 +13,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-__all__ = ["Communicator", "Wait", "to_cpu", "state_tensors", "broadcast_tensors"]
+__all__ = ["Communicator", "Wait", "to_cpu", "state_tensors", "broadcast_tensors", "broadcast_tree", "TensorSpec",
+           "skeleton"]
 
 T = TypeVar("T")
 
@@ -77,3 +78,46 @@ def broadcast_tensors(comm: Communicator, tensors: Iterable[tuple[str, torch.Ten
         waits = [comm.start_broadcast_(t, root, f"bcast.{name}") for name, t in tensors]
         for wait in waits:
             wait()
+
+
+class TensorSpec:
+    """A tensor's place in a broadcast tree: its shape and dtype, sent ahead of its bytes."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> None:
+        self.shape, self.dtype, self.device = shape, dtype, device
+
+
+def skeleton(tree: Any) -> Any:
+    """``tree`` with each tensor replaced by its :class:`TensorSpec` (what others need to receive it)."""
+    if isinstance(tree, torch.Tensor):
+        return TensorSpec(tuple(tree.shape), tree.dtype, str(tree.device))
+    if isinstance(tree, dict):
+        return {k: skeleton(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(skeleton(v) for v in tree)
+    return tree
+
+
+def broadcast_tree(comm: Communicator, tree: Any, root: int = 0) -> Any:
+    """Collective: ``root``'s nested dicts and lists of tensors and plain values on every rank,
+    one tensor in flight at a time (its structure first, as one small object): memory is the
+    largest tensor, not the tree. Root gets its own tree back; the others, new tensors on
+    :attr:`Communicator.device`."""
+    shapes = comm.broadcast_object(skeleton(tree) if comm.rank == root else None, root)
+    counter = [0]
+
+    def fill(mine: Any, shape: Any) -> Any:
+        if isinstance(shape, TensorSpec):  # sent on the communicator's device, kept where root keeps it
+            counter[0] += 1
+            t = mine.contiguous().to(comm.device) if comm.rank == root else \
+                torch.empty(shape.shape, dtype=shape.dtype, device=comm.device)
+            comm.start_broadcast_(t, root, f"tree.{counter[0]}")()
+            return mine if comm.rank == root else t.to(shape.device)
+        if isinstance(shape, dict):
+            return {k: fill(mine[k] if comm.rank == root else None, v) for k, v in shape.items()}
+        if isinstance(shape, (list, tuple)):
+            return type(shape)(fill(mine[i] if comm.rank == root else None, v) for i, v in enumerate(shape))
+        return shape
+
+    with torch.no_grad():
+        return fill(tree, shapes)

@@ -10,13 +10,14 @@ layer measured 11.6x DDP's step time (2 ranks, gloo, ``hvdkit bench --paths "ddp
 parameters are shared between modules (tied embeddings) is sharded as one unit: FSDP2
 cannot split one parameter between two units.
 
-Checkpoints stay whole: :func:`full_model_state` and :func:`full_optimizer_state` gather
-the state one tensor at a time onto rank 0's CPU (torch's ``get_*_state_dict`` with
-``full_state_dict`` and ``cpu_offload``), the optimizer in ``torch.optim``'s own layout
-(parameters by index, not by name), so a sharded run resumes unsharded and the other way
-round, at any world size. Loading is the reverse: rank 0 *holds* what it read
-(:meth:`FullyShardedStrategy.load_module_state_dict`), and the broadcast that follows
-every restore scatters it (``broadcast_from_rank0``).
+Checkpoints stay whole, streamed: :func:`model_state` and :func:`optimizer_state` give the
+whole state in the standard layout (the optimizer's in ``torch.optim``'s, parameters by index)
+with every sharded tensor :class:`~hvdkit.h5tree.Deferred`: gathered (``full_tensor``) only
+when the writer fetches it, whole on rank 0 alone, one at a time. So a sharded run resumes
+unsharded and the other way round, at any world size, and no rank ever holds the model. Loading
+is the reverse: rank 0 *holds* what it read (tensors still in the open file), and the
+broadcast that follows every restore sends one tensor at a time, each rank keeping its shard
+(:func:`scatter_model_state`, :func:`scatter_optimizer_state`).
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ import torch
 from torch import nn
 
 from ..errors import HvdkitError
-from .comm import Communicator, broadcast_tensors
+from ..h5tree import Deferred, Stored
+from .comm import Communicator, broadcast_tensors, broadcast_tree
 from .strategy import Strategy, same_optimizer
 
-__all__ = ["FullyShardedStrategy", "shard_model", "full_model_state", "full_optimizer_state",
+__all__ = ["FullyShardedStrategy", "shard_model", "model_state", "optimizer_state",
            "scatter_model_state", "scatter_optimizer_state"]
 
 MIN_UNIT_PARAMS = 100_000  # a block smaller than this is gathered with its parent
@@ -68,19 +70,6 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.
     return model, rebuilt
 
 
-def _options(**kw: Any) -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, **kw)
-
-
-def full_model_state(model: nn.Module) -> dict[str, Any]:
-    """Collective: the whole ``state_dict`` on rank 0's CPU (``{}`` elsewhere)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(model, options=_options(cpu_offload=True))
-
-
 def _reshard(model: nn.Module) -> None:
     """Register every unit's sharded parameters again. A forward pass without backward (the
     data check, evaluation) leaves the root unit's parameters gathered, and registered in
@@ -93,78 +82,95 @@ def _reshard(model: nn.Module) -> None:
             module.reshard()
 
 
-def _index_of(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, int]:
-    """Parameter name -> its index in ``optimizer`` (the model resharded: see :func:`_reshard`)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    return {name: i for i, name in enumerate(order)}
+def _whole_on_rank0(rank: int, tree: Any) -> Any:
+    """``tree`` with each DTensor a Deferred: its ``full_tensor()`` (collective), on rank 0's CPU."""
+    from torch.distributed.tensor import DTensor
+
+    def gather(t: DTensor) -> torch.Tensor | None:
+        whole = t.full_tensor()
+        return whole.detach().cpu() if rank == 0 else None
+
+    if isinstance(tree, DTensor):
+        return Deferred(lambda t=tree: gather(t), tuple(tree.shape), tree.dtype)
+    if isinstance(tree, dict):
+        return {k: _whole_on_rank0(rank, v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_whole_on_rank0(rank, v) for v in tree)
+    return tree
 
 
-def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Collective: the whole optimizer ``state_dict`` on rank 0, keyed by parameter index as
-    ``torch.optim`` keys it (``{}`` elsewhere)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
+def model_state(model: nn.Module, rank: int) -> dict[str, Any]:
+    """The whole ``state_dict``, each sharded tensor Deferred (whole on rank 0 when fetched)."""
     _reshard(model)
-    by_name: dict[str, Any] = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))  # type: ignore[assignment]
-    if not by_name:
-        return {}
-    index = _index_of(optimizer, model)
-    return {"state": {index[n]: v for n, v in by_name["state"].items()},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]}
+    return _whole_on_rank0(rank, model.state_dict())  # type: ignore[no-any-return]
 
 
-def _only_rank0(root: int) -> None:
-    """torch scatters a sharded model's state from rank 0 only (``broadcast_from_rank0``)."""
-    if root != 0:
-        raise ValueError(f"a sharded model's state is scattered from rank 0 only (torch's broadcast_from_rank0), "
-                         f"not from rank {root}; HINT: load the checkpoint on rank 0")
-
-
-def scatter_model_state(model: nn.Module, rank: int, loaded: dict[str, Any] | None, root: int = 0) -> None:
-    """Collective: every rank takes its shards of the state rank 0 ``loaded`` (a restore), or of
-    rank 0's current weights when it holds none (a fresh start: all begin from rank 0's)."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-    _only_rank0(root)
-    is_root = rank == root
-    loaded = loaded if is_root else None
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, Any]:
+    """The whole optimizer ``state_dict`` in ``torch.optim``'s layout (by parameter index),
+    each sharded tensor Deferred."""
     _reshard(model)
-    if not _root_holds(is_root, loaded):
-        loaded = full_model_state(model)  # collective; whole on rank 0 only
-    set_model_state_dict(model, loaded if is_root and loaded is not None else {},
-                         options=_options(broadcast_from_rank0=True))
+    return _whole_on_rank0(rank, optimizer.state_dict())  # type: ignore[no-any-return]
 
 
-def _root_holds(is_root: bool, state: Any) -> bool:
-    """Collective: does rank 0 hold a state to scatter?"""
-    import torch.distributed as dist
+def _scattered(comm: Communicator, whole: torch.Tensor, like: Any) -> Any:
+    """This rank's part of ``whole`` (on every rank) shaped as ``like``: a DTensor's shard, or
+    the tensor itself."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-    flag = [bool(is_root and state is not None)]
-    dist.broadcast_object_list(flag, src=0)
-    return bool(flag[0])
+    if isinstance(like, DTensor) and tuple(whole.shape) == tuple(like.shape):
+        return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+    return whole
 
 
-def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+def scatter_model_state(model: nn.Module, comm: Communicator, loaded: dict[str, Any] | None, root: int = 0) -> None:
+    """Collective: every rank takes its shards of the state ``root`` ``loaded`` (a restore),
+    one tensor at a time; without one, ``root``'s buffers (the parameters exist once already:
+    they were rank 0's before sharding)."""
+    is_root = comm.rank == root
+    _reshard(model)
+    own = model.state_dict()
+    problem = None
+    if is_root and loaded is not None and set(loaded) != set(own):
+        missing, extra = sorted(set(own) - set(loaded)), sorted(set(loaded) - set(own))
+        problem = f"the checkpoint's model does not match: missing {missing[:5]}, unexpected {extra[:5]}"
+    answer: Any = comm.broadcast_object((loaded is not None, problem) if is_root else None, root)
+    holds, problem = answer
+    if problem:
+        raise RuntimeError(problem)
+    if not holds:
+        broadcast_tensors(comm, model.named_buffers(), root)
+        return
+    with torch.no_grad():
+        for name, target in own.items():
+            value = loaded[name] if is_root and loaded is not None else None
+            whole = broadcast_tree(comm, value.read() if isinstance(value, Stored) else value, root)
+            target.copy_(_scattered(comm, whole.to(target.dtype), target))
+            del whole
+
+
+def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
                             loaded: dict[str, Any] | None, root: int = 0) -> None:
-    """Collective: every rank takes its shards of the optimizer state rank 0 ``loaded`` (a
-    resume); nothing when it holds none (a fresh optimizer has no state to agree on)."""
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-    _only_rank0(root)
-    is_root = rank == root
-    loaded = loaded if is_root else None
-    if not _root_holds(is_root, loaded):
+    """Collective: every rank takes its shards of the optimizer state ``root`` ``loaded`` (a
+    resume), one tensor at a time; nothing when it holds none (a fresh optimizer has no state
+    to agree on)."""
+    is_root = comm.rank == root
+    if not comm.broadcast_object(is_root and loaded is not None, root):
         return
     _reshard(model)
-    if is_root:
-        names = {i: n for n, i in _index_of(optimizer, model).items()}
-        state = {"state": {names[int(i)]: v for i, v in loaded["state"].items()},  # type: ignore[index]
-                 "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]}
-                                  for g in loaded["param_groups"]]}  # type: ignore[index]
-    else:
-        state = {}
-    set_optimizer_state_dict(model, optimizer, state, options=_options(broadcast_from_rank0=True))  # type: ignore[arg-type]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    groups = comm.broadcast_object(loaded["param_groups"] if is_root and loaded is not None else None, root)
+    keys: Any = comm.broadcast_object({int(i): list(entry) for i, entry in loaded["state"].items()}
+                                      if is_root and loaded is not None else None, root)
+    state: dict[int, dict[str, Any]] = {}
+    with torch.no_grad():
+        for i, names in keys.items():
+            entry = loaded["state"].get(i, loaded["state"].get(str(i))) if is_root and loaded is not None else None
+            state[i] = {}
+            for key in names:
+                value = entry[key] if entry is not None else None
+                value = broadcast_tree(comm, value.read() if isinstance(value, Stored) else value, root)
+                state[i][key] = _scattered(comm, value, params[i]) if isinstance(value, torch.Tensor) else value
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 class FullyShardedStrategy(Strategy):
@@ -199,28 +205,28 @@ class FullyShardedStrategy(Strategy):
         return contextlib.nullcontext()
 
     def module_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        return full_model_state(model)
+        return model_state(model, self.comm.rank)
 
     def replica_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        # whole on rank 0 only: gathering it on every rank would need the memory sharding saves
-        return full_model_state(model)
+        # whole on rank 0 only, one tensor at a time: a whole model anywhere is what sharding saves
+        return model_state(model, self.comm.rank)
 
     def load_module_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         self._loaded[model] = state  # rank 0 alone: scattered by broadcast_state
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return full_optimizer_state(self._model(), optimizer)
+        return optimizer_state(self._model(), optimizer, self.comm.rank)
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         self._loaded[optimizer] = state
 
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, root: int) -> None:
-        scatter_model_state(model, self.comm.rank, self._loaded.pop(model, None), root)
+        scatter_model_state(model, self.comm, self._loaded.pop(model, None), root)
         if optimizer is not None:
             self.broadcast_optimizer(optimizer, root)
 
     def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int) -> None:
-        scatter_optimizer_state(self._model(), optimizer, self.comm.rank, self._loaded.pop(optimizer, None), root)
+        scatter_optimizer_state(self._model(), optimizer, self.comm, self._loaded.pop(optimizer, None), root)
 
     def held(self, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Any]]:

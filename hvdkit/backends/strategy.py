@@ -25,11 +25,39 @@ from typing import Any
 import torch
 from torch import nn
 
-from .comm import Communicator, broadcast_tensors, state_tensors, to_cpu
+from ..h5tree import Stored, materialize
+from .comm import Communicator, broadcast_tensors, broadcast_tree, state_tensors
 from .powersgd import STATE_KEY as POWERSGD_KEY
 from .powersgd import PowerSGD, apply_state, gather_state
 
-__all__ = ["Strategy", "Replicated", "local_step", "clip_gradients", "same_optimizer"]
+__all__ = ["Strategy", "Replicated", "local_step", "clip_gradients", "same_optimizer", "load_module_tensors"]
+
+
+def load_module_tensors(module: nn.Module, state: dict[str, Any]) -> None:
+    """``module.load_state_dict(state)``, strictly, one tensor at a time: a :class:`Stored`
+    leaf (a tensor still in an open checkpoint) is read, copied in place and dropped, so a
+    load needs no second copy of the model."""
+    own = module.state_dict()
+    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    if missing or unexpected:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: "
+                           + "; ".join(f"{what} key(s): {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
+                                       for what, keys in (("Missing", missing), ("Unexpected", unexpected)) if keys))
+    rest = {}
+    with torch.no_grad():
+        for name, target in own.items():
+            value = state[name]
+            value = value.read() if isinstance(value, Stored) else value
+            if not isinstance(target, torch.Tensor) or not isinstance(value, torch.Tensor):
+                rest[name] = value  # a module's extra state: its own loader takes it
+                continue
+            if value.shape != target.shape:
+                raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: size mismatch for "
+                                   f"{name}: copying a param with shape {tuple(value.shape)} from checkpoint, the "
+                                   f"shape in current model is {tuple(target.shape)}")
+            target.copy_(value)
+    if rest:
+        module.load_state_dict(rest, strict=False)
 
 
 def same_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
@@ -103,27 +131,31 @@ class Strategy:
         """The world was re-formed (elastic): nothing in flight of the old one survives."""
 
     # -- the whole state, for checkpoints and elastic commits ------------------------------
+    # A state dict here may hold, where the state is sharded, Deferred leaves
+    # (hvdkit.h5tree): a tensor gathered only when whoever consumes the dict fetches it, one
+    # at a time, in tree order, on every rank (a checkpoint writer, the digest); and a state
+    # being loaded may hold Stored leaves: tensors still in an open checkpoint file.
     def module_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """The whole model's ``state_dict`` (gathered where sharded)."""
+        """The whole model's ``state_dict`` in its standard layout (sharded tensors Deferred)."""
         return self.unwrap(model).state_dict()
 
     def replica_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """Collective where sharded: the whole model as this rank's replica holds it (where no
-        rank holds one, rank 0 gets the gathered whole)."""
+        """The whole model as this rank's replica holds it (where no rank holds one, Deferred:
+        each tensor gathered when fetched, whole on rank 0 only)."""
         return self.unwrap(model).state_dict()
 
     def load_module_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`module_state_dict` on this rank (where sharded, rank 0 holds it
-        until :meth:`broadcast_state` scatters it)."""
-        self.unwrap(model).load_state_dict(state)
+        """Inverse of :meth:`module_state_dict` on this rank, one tensor at a time (where
+        sharded, rank 0 holds it until :meth:`broadcast_state` scatters it)."""
+        load_module_tensors(self.unwrap(model), state)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The whole optimizer's ``state_dict`` (gathered where sharded)."""
+        """The whole optimizer's ``state_dict`` in ``torch.optim``'s layout (sharded tensors Deferred)."""
         return optimizer.state_dict()
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`optimizer_state_dict` on this rank."""
-        optimizer.load_state_dict(state)
+        """Inverse of :meth:`optimizer_state_dict` on this rank (its tensors become the state)."""
+        optimizer.load_state_dict(materialize(state))
 
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, root: int) -> None:
         """Collective: every rank takes ``root``'s model and optimizer state. The optimizer
@@ -134,9 +166,9 @@ class Strategy:
         broadcast_tensors(self.comm, self.unwrap(model).state_dict().items(), root)
 
     def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int) -> None:
-        """Collective: every rank takes ``root``'s whole optimizer state."""
-        state = self.comm.broadcast_object(to_cpu(optimizer.state_dict()) if self.comm.rank == root else None, root)
-        if self.comm.rank != root and state is not None:
+        """Collective: every rank takes ``root``'s whole optimizer state, one tensor at a time."""
+        state = broadcast_tree(self.comm, optimizer.state_dict() if self.comm.rank == root else None, root)
+        if self.comm.rank != root:
             optimizer.load_state_dict(state)
 
     def sync_buffers(self, model: nn.Module, root: int = 0) -> None:
@@ -184,8 +216,8 @@ class Replicated(Strategy):
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         state = dict(state)
-        saved = state.pop(POWERSGD_KEY, None)
-        optimizer.load_state_dict(state)
+        saved = materialize(state.pop(POWERSGD_KEY, None))
+        optimizer.load_state_dict(materialize(state))
         if self.powersgd is not None:
             self._powersgd_loaded = saved  # None: saved without PowerSGD, which starts afresh
             apply_state(self.comm, self.powersgd, saved)

@@ -43,8 +43,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..h5tree import Deferred, materialize
 from .buckets import BucketEngine, bucket_bytes, plan_buckets
-from .comm import Communicator, Wait, state_tensors, to_cpu
+from .comm import Communicator, TensorSpec, Wait, skeleton, state_tensors
 from .strategy import Strategy, same_optimizer
 
 __all__ = ["OwnedBucket", "ShardedOptimizer", "ZeroStrategy", "assign_owners"]
@@ -282,21 +283,42 @@ class ShardedOptimizer(torch.optim.Optimizer):
             elif p.grad is not None:
                 p.grad.zero_()
 
-    # -- state: the standard layout, whole, on rank 0 ------------------------------------
+    # -- state: the standard layout, streamed to rank 0 ------------------------------------
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """Collective: the whole optimizer's ``state_dict`` in ``torch.optim``'s layout on
-        rank 0 (``{}`` elsewhere), gathered one parameter at a time from its owner."""
+        """Collective: the whole optimizer's ``state_dict`` in ``torch.optim``'s layout, the same
+        structure on every rank, each tensor a :class:`~hvdkit.h5tree.Deferred` that, when
+        fetched (on every rank, in order), comes from its owner to rank 0: memory is one
+        tensor, never the whole state (owner 0's tensors need no collective at all)."""
         local_index = {i: k for k, i in enumerate(self._local_order())}
         local_sd = self.local.state_dict() if self.local is not None else {"state": {}}
+        mine = {i: local_sd["state"][local_index[i]] for i in self.mine if local_index[i] in local_sd["state"]}
+        shapes = self.comm.gather_objects({i: skeleton(entry) for i, entry in mine.items()})
         state: dict[int, Any] = {}
         for i, owner in enumerate(self.owner):
-            mine = local_sd["state"].get(local_index[i]) if owner == self.comm.rank else None
-            value = self.comm.broadcast_object(to_cpu(mine) if mine is not None else None, owner)
-            if self.comm.rank == 0 and value is not None:
-                state[i] = value
-        if self.comm.rank != 0:
-            return {}
+            if i in shapes[owner]:
+                state[i] = self._deferred(shapes[owner][i], mine.get(i), owner, f"zero.sd.{i}")
         return {"state": state, "param_groups": _indexed(self.param_groups)}
+
+    def _deferred(self, shape: Any, mine: Any, owner: int, name: str) -> Any:
+        """A skeleton's tensors as Deferred leaves that bring ``owner``'s tensor to rank 0."""
+        if isinstance(shape, TensorSpec):
+            return Deferred(lambda: self._to_rank0(mine, shape, owner, name), shape.shape, shape.dtype)
+        if isinstance(shape, dict):
+            return {k: self._deferred(v, mine[k] if mine is not None else None, owner, f"{name}.{k}")
+                    for k, v in shape.items()}
+        if isinstance(shape, (list, tuple)):
+            return type(shape)(self._deferred(v, mine[j] if mine is not None else None, owner, f"{name}.{j}")
+                               for j, v in enumerate(shape))
+        return shape
+
+    def _to_rank0(self, mine: torch.Tensor | None, shape: TensorSpec, owner: int, name: str) -> torch.Tensor | None:
+        rank = self.comm.rank
+        if owner == 0:
+            return mine.detach().cpu() if rank == 0 and mine is not None else None
+        buf = mine.detach().contiguous() if rank == owner and mine is not None else \
+            torch.empty(shape.shape, dtype=shape.dtype, device=self.comm.device)
+        self.comm.start_broadcast_(buf, owner, name)()
+        return buf.cpu() if rank == 0 else None
 
     def _local_order(self) -> list[int]:
         """Global indices of the local optimizer's parameters, in its own order."""
@@ -319,7 +341,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.local is None:
             return
         order = self._local_order()
-        local_state = {k: _entry(state, i) for k, i in enumerate(order) if _entry(state, i) is not None}
+        local_state = {k: materialize(_entry(state, i)) for k, i in enumerate(order) if _entry(state, i) is not None}
         self.local.load_state_dict({"state": local_state, "param_groups": _indexed(self.local.param_groups)})
 
     def scatter_pending(self, root: int = 0) -> None:
@@ -338,7 +360,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for i, owner in enumerate(self.owner):
             if owner == root:
                 continue  # root loaded its own already
-            value = self.comm.broadcast_object(_entry(full["state"], i) if full is not None else None, root)
+            entry = materialize(_entry(full["state"], i)) if full is not None else None  # one parameter's
+            value = self.comm.broadcast_object(entry, root)
             if owner == self.comm.rank and value is not None:
                 received[i] = value
         if self.comm.rank != root:

@@ -1,60 +1,101 @@
 """Two integrity layers of a checkpoint file, checked before anything trusts its content.
 
 1. **A sealed header.** The file starts with a 512-byte HDF5 user block (HDF5 and
-   ``h5dump`` skip it) holding ``hvdkit-checkpoint 2``, the size and the SHA-256 of every
-   byte after it. :func:`unseal` checks that digest *before* HDF5 parses anything: HDF5 can
-   crash the process on a damaged file (a segfault on 1 of a few hundred random byte flips).
-2. **A content checksum.** A CRC-32 over every name, attribute and dataset byte, stored as
-   the root attribute ``checksum`` (:func:`content_checksum`), plus a CRC-32 per dataset
-   (written by :mod:`hvdkit.h5tree`), so a damaged tensor is named.
+   ``h5dump`` skip it) holding ``hvdkit-checkpoint 2`` (format 3 files, sealed in memory) or
+   ``hvdkit-checkpoint 3`` (format 4, sealed on disk), the size and the SHA-256 of every
+   byte after it. :func:`verify_sealed` checks that digest, reading the file in blocks,
+   *before* HDF5 parses anything: HDF5 can crash the process on a damaged file (a segfault
+   on 1 of a few hundred random byte flips).
+2. **A content checksum.** A CRC-32 over every name and attribute, and (format 3) every
+   dataset byte, stored as the root attribute ``checksum`` (:func:`content_checksum`), plus a
+   CRC-32 per dataset (written by :mod:`hvdkit.h5tree`, checked as each tensor is read), so a
+   damaged tensor is named. Format 4 covers a dataset's bytes by its CRC attribute, which the
+   content checksum includes: no second pass over the data.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import zlib
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..h5tree import crc32_of
 
-__all__ = ["USERBLOCK", "MAGIC", "seal", "unseal", "content_checksum", "HeaderError"]
+__all__ = ["USERBLOCK", "MAGIC", "MAGIC_FILE", "seal_file", "verify_sealed", "content_checksum",
+           "HeaderError", "BLOCK"]
 
 USERBLOCK = 512
 MAGIC = b"hvdkit-checkpoint 2\n"  # the header's version, not the layout's (format_version)
+MAGIC_FILE = b"hvdkit-checkpoint 3\n"  # the same header, sealed on disk (format 4)
+BLOCK = 8 << 20  # bytes read at a time to hash a file
 
 
 class HeaderError(ValueError):
     """The sealed header is missing, damaged, or does not match the content."""
 
 
-def seal(data: bytearray) -> bytes:
-    """Write the header into the (zeroed) user block of an encoded file; returns the file."""
-    body = memoryview(data)[USERBLOCK:]
-    header = MAGIC + f"size {len(body)}\nsha256 {hashlib.sha256(body).hexdigest()}\n".encode()
-    data[: len(header)] = header
-    return bytes(data)
+def _header(magic: bytes, size: int, digest: str) -> bytes:
+    return magic + f"size {size}\nsha256 {digest}\n".encode()
 
 
-def unseal(data: bytes) -> None:
-    """Raise :class:`HeaderError` unless ``data`` is a sealed file whose digest matches."""
-    if not data.startswith(MAGIC):
-        if data.startswith(b"\x89HDF"):
-            raise HeaderError("is an HDF5 file but not an hvdkit checkpoint (v2)")
-        raise HeaderError("has a damaged header or is not a checkpoint")
+def _file_digest(fd: int, start: int) -> tuple[int, str]:
+    """Size and SHA-256 of a file's bytes from ``start``, read in :data:`BLOCK` pieces."""
+    h, size, at = hashlib.sha256(), 0, start
+    while chunk := os.pread(fd, BLOCK, at):
+        h.update(chunk)
+        size, at = size + len(chunk), at + len(chunk)
+    return size, h.hexdigest()
+
+
+def seal_file(path: Path) -> None:
+    """Write the header of a format 4 file into its (zeroed) user block: its body is read
+    back in blocks, hashed, and the header goes in place; then the file is fsync'd."""
+    fd = os.open(path, os.O_RDWR)
     try:
-        lines = data[len(MAGIC):USERBLOCK].split(b"\n")
+        size, digest = _file_digest(fd, USERBLOCK)
+        header = _header(MAGIC_FILE, size, digest)
+        os.pwrite(fd, header + bytes(USERBLOCK - len(header)), 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def verify_sealed(path: Path) -> None:
+    """Raise :class:`HeaderError` unless the file at ``path`` (format 3 or 4) is sealed and
+    its body's digest matches, reading it in blocks (memory: one block)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        head = os.pread(fd, USERBLOCK, 0)
+        magic = next((m for m in (MAGIC_FILE, MAGIC) if head.startswith(m)), None)
+        if magic is None:
+            if head.startswith(b"\x89HDF"):
+                raise HeaderError("is an HDF5 file but not an hvdkit checkpoint (v2)")
+            raise HeaderError("has a damaged header or is not a checkpoint")
+        size, digest = _parse_header(head, magic)
+        actual, found = _file_digest(fd, USERBLOCK)
+    finally:
+        os.close(fd)
+    if actual != size:
+        raise HeaderError(f"is truncated or padded: {actual} of {size} bytes")
+    if found != digest:
+        raise HeaderError("is corrupt: SHA-256 of its content does not match the digest written with it")
+
+
+def _parse_header(head: bytes, magic: bytes) -> tuple[int, str]:
+    try:
+        lines = head[len(magic):USERBLOCK].split(b"\n")
         size = int(lines[0].removeprefix(b"size "))
         digest = lines[1].removeprefix(b"sha256 ").decode("ascii")
         padding_clean = not any(b"\n".join(lines[2:]))
     except (IndexError, ValueError, UnicodeDecodeError):
         raise HeaderError("has a damaged header") from None
-    body = memoryview(data)[USERBLOCK:]
-    if len(body) != size:
-        raise HeaderError(f"is truncated or padded: {len(body)} of {size} bytes")
-    if not padding_clean or hashlib.sha256(body).hexdigest() != digest:
-        raise HeaderError("is corrupt: SHA-256 of its content does not match the digest written with it")
+    if not padding_clean or len(digest) != 64:
+        raise HeaderError("has a damaged header")
+    return size, digest
 
 
 def _attr_bytes(value: Any) -> bytes:
@@ -64,12 +105,14 @@ def _attr_bytes(value: Any) -> bytes:
     return repr(value).encode()
 
 
-def content_checksum(f: Any) -> int:
+def content_checksum(f: Any, data_bytes: bool = True) -> int:
     """CRC-32 over everything an open HDF5 file holds, except the root ``checksum`` attribute.
 
     Every group and dataset by name, every attribute (the root's too) by name and value,
-    every dataset's dtype, shape and *actual* bytes (not the CRC recorded beside it).
-    One flipped bit anywhere in the content changes it.
+    every dataset's dtype, shape and, with ``data_bytes`` (format 3), its *actual* bytes (not
+    the CRC recorded beside it). One flipped bit anywhere in the content changes it. Format 4
+    passes ``data_bytes=False``: a dataset's bytes are covered by its own CRC attribute,
+    checked when it is read, so the checksum needs no pass over the data.
     """
     import h5py
 
@@ -90,7 +133,8 @@ def content_checksum(f: Any) -> int:
     for name, node in sorted(nodes, key=lambda item: item[0]):
         if isinstance(node, h5py.Dataset):
             add(f"D {name} {node.dtype.str} {node.shape}\n".encode())
-            crc = crc32_of(np.asarray(node[()]), crc)
+            if data_bytes:
+                crc = crc32_of(np.asarray(node[()]), crc)
         else:
             add(f"G {name}\n".encode())
         add_attrs(name, node)

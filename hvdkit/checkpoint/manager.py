@@ -29,24 +29,27 @@ from ..config import parse_keep_best
 from ..errors import CheckpointError, ConfigError, first_line
 from ..fileio import write_json_atomic, write_text_atomic
 from ..log import diag, warn
-from .fileformat import Snapshot, checkpoint_name, read_checkpoint, step_of, write_checkpoint
+from .fileformat import OpenCheckpoint, Snapshot, checkpoint_name, drain, open_checkpoint, step_of, write_checkpoint
 from .rng import capture_rng, restore_rng
 
-__all__ = ["CheckpointManager", "Restored", "parse_keep_best", "nonfinite_tensor"]
+__all__ = ["CheckpointManager", "Restored", "parse_keep_best"]
 
 
-def nonfinite_tensor(tree: Any, prefix: str = "") -> str | None:
-    """Name of the first floating-point tensor holding NaN or inf in a state dict, or ``None``."""
+class _NonFinite(Exception):
+    """A module tensor about to be written holds NaN or inf (its name is the message)."""
+
+
+def _finite_weights(kinds: dict[str, str], step: int) -> Any:
+    """The writer's check of each tensor: a module's floating-point weights must be finite."""
     import torch
 
-    if isinstance(tree, torch.Tensor):
-        return prefix if tree.is_floating_point() and not bool(torch.isfinite(tree).all()) else None
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            found = nonfinite_tensor(v, f"{prefix}.{k}" if prefix else str(k))
-            if found:
-                return found
-    return None
+    def check(name: str, tensor: Any) -> None:
+        key, _, rest = name.lstrip("/").partition("/")
+        if kinds.get(key) == "module" and isinstance(tensor, torch.Tensor) and tensor.is_floating_point() \
+                and not bool(torch.isfinite(tensor).all()):
+            raise _NonFinite(f"{key}: {rest.replace('%2F', '/').replace('%25', '%')}")
+
+    return check
 
 
 @dataclass
@@ -123,11 +126,12 @@ class CheckpointManager:
         write_json_atomic(self.directory / "best", {"file": path.name, "step": step, "metric": metric,
                                                     "mode": mode, "value": value})
 
-    def find_latest_valid(self) -> tuple[Path, Snapshot] | None:
-        """Newest checkpoint that verifies, warning about (and skipping) corrupt ones."""
+    def find_latest_valid(self) -> OpenCheckpoint | None:
+        """Newest checkpoint that verifies, held open (its tensors unread; close it), warning
+        about (and skipping) corrupt ones."""
         for path in self._candidates():
             try:
-                return path, read_checkpoint(path, verify=True)
+                return open_checkpoint(path, verify=True)
             except CheckpointError as exc:
                 warn(f"skipping {path.name}: {exc.message}; trying the previous checkpoint")
         return None
@@ -165,31 +169,29 @@ class CheckpointManager:
             err.echo = self.backend.is_master
             raise err
         rng = self.backend.gather_objects(capture_rng())
-        captured = states_mod.capture(states, self.backend)  # collective for sharded modules
+        captured = states_mod.capture(states, self.backend, lazy=True)  # sharded tensors: fetched as written
         kinds = states_mod.kinds(states)
+        snap = Snapshot(states=captured, rng=rng, meta={
+            "step": step, "world_size": self.backend.size, "backend": self.backend.name,
+            "states": kinds, "metrics": dict(metrics or {})})
         outcome: tuple[bool, Any] | None = None
-        if self.backend.is_master:
+        if not self.backend.is_master:
+            drain(snap)  # every sharded tensor's gather, in the writer's order
+        else:
             try:
-                bad = next((f"{key}: {name}" for key in captured if kinds[key] == "module"
-                            for name in [nonfinite_tensor(captured[key])] if name), None)
-                if bad is not None and skip_nonfinite:
-                    warn(f"not saving step {step}: parameter {bad} holds NaN/inf; the previous "
-                         "checkpoints are kept")
-                    outcome = (True, None)
-                elif bad is not None:
-                    raise CheckpointError(
-                        f"not saving step {step}: parameter {bad} holds NaN/inf; the previous "
-                        "checkpoints are kept",
-                        "lower --lr or check the data; resume restarts from the last finite one")
+                path = write_checkpoint(self.path_for(step), snap, validate=_finite_weights(kinds, step))
+                write_text_atomic(self.directory / "latest", path.name + "\n")
+                self._record_best(path, step, dict(metrics or {}))
+                self._prune()
+                outcome = (True, str(path))
+            except _NonFinite as bad:
+                if not skip_nonfinite:
+                    outcome = self._failure(CheckpointError(
+                        f"not saving step {step}: parameter {bad} holds NaN/inf; the previous checkpoints are kept",
+                        "lower --lr or check the data; resume restarts from the last finite one"))
                 else:
-                    snap = Snapshot(states=captured, rng=rng, meta={
-                        "step": step, "world_size": self.backend.size, "backend": self.backend.name,
-                        "states": kinds, "metrics": dict(metrics or {})})
-                    path = write_checkpoint(self.path_for(step), snap)
-                    write_text_atomic(self.directory / "latest", path.name + "\n")
-                    self._record_best(path, step, dict(metrics or {}))
-                    self._prune()
-                    outcome = (True, str(path))
+                    warn(f"not saving step {step}: parameter {bad} holds NaN/inf; the previous checkpoints are kept")
+                    outcome = (True, None)
             except Exception as exc:  # every failure must reach every rank
                 outcome = self._failure(exc)
         written = self._agree(outcome)
@@ -205,24 +207,28 @@ class CheckpointManager:
         restored when the world size is the one saved. Returns ``None`` for a fresh start.
         """
         outcome: tuple[bool, Any] | None = None
-        if self.backend.is_master:
-            try:
-                if path is not None:
-                    found: tuple[Path, Snapshot] | None = (Path(path), read_checkpoint(path))
-                else:
-                    found = self.find_latest_valid()
-                if found is None:
-                    outcome = (True, None)
-                else:
-                    where, snap = found
-                    remainder = states_mod.apply(states, snap.states, self.backend, strict=strict)
-                    outcome = (True, {"path": str(where), "step": snap.step, "rng": snap.rng,
-                                      "world_size": snap.meta.get("world_size"),
-                                      "metrics": snap.metrics, "remainder": remainder})
-            except Exception as exc:
-                outcome = self._failure(exc)
-        info = self._agree(outcome)
-        states_mod.broadcast(states, self.backend, root=0)
+        opened: OpenCheckpoint | None = None
+        try:
+            if self.backend.is_master:
+                try:
+                    opened = open_checkpoint(path) if path is not None else self.find_latest_valid()
+                    if opened is None:
+                        outcome = (True, None)
+                    else:
+                        snap = opened.snapshot
+                        # tensors stay in the file: each is read when the strategy loads it, or
+                        # when the broadcast below sends it on
+                        remainder = states_mod.apply(states, snap.states, self.backend, strict=strict)
+                        outcome = (True, {"path": str(opened.path), "step": snap.step, "rng": snap.rng,
+                                          "world_size": snap.meta.get("world_size"),
+                                          "metrics": snap.metrics, "remainder": remainder})
+                except Exception as exc:
+                    outcome = self._failure(exc)
+            info = self._agree(outcome)
+            states_mod.broadcast(states, self.backend, root=0)
+        finally:
+            if opened is not None:
+                opened.close()
         if info is None:
             return None
         if info["world_size"] == self.backend.size and len(info["rng"]) == self.backend.size:

@@ -103,6 +103,26 @@ def ckpt_verify(paths: tuple[str, ...]) -> None:
     sys.exit(1 if failed else 0)
 
 
+@ckpt_group.command("export")
+@click.argument("checkpoint", type=click.Path(dir_okay=True))
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "torch"]), default="safetensors", show_default=True,
+              help="safetensors (safetensors.torch.load_file, transformers) or a torch state dict (torch.load).")
+@click.option("--state", default=None, help="The module state to export (default: the checkpoint's one module).")
+@translate_errors
+def ckpt_export(checkpoint: str, out: str, fmt: str, state: str | None) -> None:
+    """The model weights of CHECKPOINT (a ckpt-*.h5 file, or a directory: its latest) as one file
+    OUT that other tools load, whatever sharding and world size trained them; one tensor in
+    memory at a time."""
+    from ..checkpoint.export import export_weights
+    from ..fileio import check_output_path
+
+    target = _resolve(checkpoint)
+    destination = check_output_path(out, "OUT")
+    count, size = export_weights(target, destination, fmt, state)
+    click.echo(f"wrote {destination}: {count} tensors, {size / 2**20:.1f} MiB ({fmt})")
+
+
 @click.group("data")
 def data_group() -> None:
     """Datasets: check one, make synthetic data, or import real data that ships with packages."""
