@@ -7,12 +7,19 @@ batch; rank ``r`` takes every ``size``-th sample of it, as
 ``DistributedSampler`` does. Resuming at "global sample k of epoch e" is then
 exact for the same world size, and for another world size still visits every
 remaining sample of the epoch exactly once.
+
+Memory does not grow with the number of samples: the permutation is computed position by
+position (:class:`Permutation`: ``torch.randperm``'s up to :data:`EXACT_LIMIT` samples, the
+order every earlier run and checkpoint used; above it a seeded Feistel bijection, a few
+bytes whatever the size), the sampler yields indices block by block, the validation split
+is two index views (:func:`split_indices`), and ``--data`` may be many files read as one.
 """
 
 from __future__ import annotations
 
+import glob as globbing
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +28,70 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from .errors import ConfigError, HvdkitError, first_line
-from .fileio import write_bytes_atomic
 
 __all__ = ["ShardSampler", "H5Dataset", "check_h5_dataset", "make_synthetic_h5", "per_rank_batch_size",
-           "split_indices", "SampleSeeded", "write_h5_dataset", "open_datasets", "all_labels", "unwrap_dataset"]
+           "split_indices", "SampleSeeded", "write_h5_dataset", "open_datasets", "all_labels", "unwrap_dataset",
+           "Permutation", "EXACT_LIMIT", "data_files", "H5Writer"]
+
+# Up to this many samples an epoch's order is torch.randperm's (what hvdkit 0.4's runs and
+# checkpoints used, so they resume in the same order; 32 MiB at the limit); above it, a
+# bijection computed index by index (memory independent of the number of samples).
+EXACT_LIMIT = 1 << 22
+BLOCK = 1 << 16  # indices computed at a time
+
+
+def _mix(x: np.ndarray, key: int, bits: int) -> np.ndarray:
+    """A keyed hash of ``bits``-bit values (splitmix64's finaliser), ``bits`` bits out."""
+    with np.errstate(over="ignore"):
+        z = (x.astype(np.uint64) + np.uint64(key)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return z & np.uint64((1 << bits) - 1)
+
+
+class Permutation:
+    """A seeded permutation of ``range(n)`` that gives any position's value without building
+    the whole: ``torch.randperm(n)`` with the generator seeded ``seed`` when ``n <=``
+    :data:`EXACT_LIMIT`, else a 4-round Feistel network over the next power of 4 with cycle
+    walking (every value once; position -> value in a few arithmetic operations)."""
+
+    ROUNDS = 4
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed = n, seed
+        self._exact = None
+        if n <= EXACT_LIMIT:
+            gen = torch.Generator().manual_seed(seed)
+            self._exact = torch.randperm(n, generator=gen).numpy()
+        half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
+        self._half = half
+        self._keys = [int(k) for k in np.random.default_rng([seed & 0xFFFFFFFF, seed >> 32, 0x5EED])
+                      .integers(0, 2**63 - 1, self.ROUNDS)]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _feistel(self, x: np.ndarray) -> np.ndarray:
+        bits, mask = self._half, np.uint64((1 << self._half) - 1)
+        left, right = x >> np.uint64(bits), x & mask
+        for key in self._keys:
+            left, right = right, left ^ _mix(right, key, bits)
+        return (left << np.uint64(bits)) | right
+
+    def take(self, positions: np.ndarray) -> np.ndarray:
+        """The values at ``positions`` (int64)."""
+        if self._exact is not None:
+            return self._exact[positions]
+        out = self._feistel(positions.astype(np.uint64))
+        while True:  # cycle walking: a value outside range(n) goes around again
+            outside = out >= np.uint64(self.n)
+            if not outside.any():
+                return out.astype(np.int64)
+            out[outside] = self._feistel(out[outside])
+
+    def __getitem__(self, position: int) -> int:
+        return int(self.take(np.asarray([position]))[0])
 
 
 def per_rank_batch_size(
@@ -86,16 +153,16 @@ class ShardSampler(Sampler[int]):
         self.epoch, self.start = int(state["epoch"]), int(state["start"])
         self.seed = int(state.get("seed", self.seed))
 
-    def _order(self) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(self.num_samples)
-        gen = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.num_samples, generator=gen)
-
     def __iter__(self) -> Iterator[int]:
-        order = self._order()[self.start :]
-        usable = len(order) if self.uneven else len(order) // self.num_replicas * self.num_replicas
-        return iter(order[:usable][self.rank :: self.num_replicas].tolist())
+        """This rank's indices, computed a block at a time (never a list of all of them)."""
+        order = Permutation(self.num_samples, self.seed + self.epoch) if self.shuffle else None
+        left = self.num_samples - self.start
+        usable = left if self.uneven else left // self.num_replicas * self.num_replicas
+        end = self.start + usable
+        step = self.num_replicas * BLOCK
+        for first in range(self.start + self.rank, end, step):
+            positions = np.arange(first, min(first + step, end), self.num_replicas, dtype=np.int64)
+            yield from (order.take(positions) if order is not None else positions).tolist()
 
     def __len__(self) -> int:
         return self.shard_length(self.rank)
@@ -108,49 +175,102 @@ class ShardSampler(Sampler[int]):
         return left // self.num_replicas + (1 if rank < left % self.num_replicas else 0)
 
 
+def data_files(spec: str | os.PathLike[str] | Sequence[str]) -> list[str]:
+    """The HDF5 files ``--data`` names: one file, a comma-separated list, a glob (``shard-*.h5``)
+    or a directory (its ``*.h5``, sorted), read in that order as one dataset; a name that
+    matches nothing is one line."""
+    parts = [str(p) for p in spec] if isinstance(spec, (list, tuple)) else \
+        [p.strip() for p in str(spec).split(",") if p.strip()]
+    files: list[str] = []
+    for part in parts:
+        if Path(part).is_dir():
+            found = sorted(str(p) for p in Path(part).glob("*.h5"))
+            if not found:
+                raise HvdkitError(f"dataset directory {part} holds no *.h5 file", "pass a directory of HDF5 shards")
+            files += found
+        elif any(c in part for c in "*?["):
+            found = sorted(globbing.glob(part))
+            if not found:
+                raise HvdkitError(f"no dataset file matches {part}", "check the pattern (quote it from the shell)")
+            files += found
+        else:
+            files.append(part)
+    if not files:
+        raise HvdkitError(f"no dataset file in {spec!r}", "pass a file, a list a.h5,b.h5, a glob or a directory")
+    return files
+
+
 class H5Dataset(Dataset):
-    """Samples from an HDF5 file: ``(x[i], y[i])``, or ``x[i]`` alone when there is no ``y``.
+    """Samples from one HDF5 file or several read as one: ``(x[i], y[i])``, or ``x[i]`` alone
+    when there is no ``y``.
 
     ``x`` may hold samples of any shape and dtype (images, token windows, tabular rows);
-    ``y`` one integer label per sample (classification). The file handle is created on
-    first access, i.e. after any ``fork`` of DataLoader workers (h5py handles must not
-    cross a fork). Only the indices this rank's sampler asks for are ever read.
+    ``y`` one integer label per sample (classification). ``path`` is what :func:`data_files`
+    takes (a file, a list, a glob, a directory); every file must hold samples of one shape and
+    dtype, and labels in all or none. File handles are created on first access, i.e. after
+    any ``fork`` of DataLoader workers (h5py handles must not cross a fork). Only the indices
+    this rank's sampler asks for are ever read; memory does not grow with the samples.
     """
 
-    def __init__(self, path: str | os.PathLike[str], x_key: str = "x", y_key: str = "y",
+    def __init__(self, path: str | os.PathLike[str] | Sequence[str], x_key: str = "x", y_key: str = "y",
                  model: str | None = None) -> None:
-        self.path, self.x_key, self.y_key = str(path), x_key, y_key
-        self._len, self.has_labels = check_h5_dataset(self.path, model, x_key, y_key, want_labels=True)
-        self._file = None
+        self.files = data_files(path)
+        self.path, self.x_key, self.y_key = ",".join(self.files), x_key, y_key
+        lengths, kinds = [], set()
+        for file in self.files:
+            n, has_labels = check_h5_dataset(file, model, x_key, y_key, want_labels=True)
+            lengths.append(n)
+            kinds.add((has_labels, *_sample_kind(file, x_key)))
+        if len(kinds) > 1:
+            raise HvdkitError(f"the dataset's files disagree on sample shape, dtype or labels: "
+                              f"{sorted(map(str, kinds))}", "read files of one kind as one dataset")
+        self.has_labels = next(iter(kinds))[0]
+        self._ends = np.cumsum(lengths)
+        self._len = int(self._ends[-1])
+        self._handles: dict[int, Any] = {}
         self._pid: int | None = None
 
-    def _handle(self):  # h5py.File
-        if self._file is None or self._pid != os.getpid():
+    def _locate(self, index: int) -> tuple[Any, int]:
+        """The open file holding sample ``index``, and its position there."""
+        if self._pid != os.getpid():
+            self._handles, self._pid = {}, os.getpid()
+        k = int(np.searchsorted(self._ends, index, side="right"))
+        if k not in self._handles:
             import h5py
 
-            self._file, self._pid = h5py.File(self.path, "r"), os.getpid()
-        return self._file
+            self._handles[k] = h5py.File(self.files[k], "r")
+        return self._handles[k], index - (int(self._ends[k - 1]) if k else 0)
 
     def __len__(self) -> int:
         return self._len
 
     def __getitem__(self, index: int) -> Any:
-        f = self._handle()
-        x = torch.from_numpy(np.asarray(f[self.x_key][index]))
+        if not -self._len <= index < self._len:
+            raise IndexError(index)
+        f, i = self._locate(index % self._len)
+        x = torch.from_numpy(np.asarray(f[self.x_key][i]))
         if not self.has_labels:
             return x
-        return x, torch.as_tensor(np.asarray(f[self.y_key][index]), dtype=torch.long)
+        return x, torch.as_tensor(np.asarray(f[self.y_key][i]), dtype=torch.long)
 
     def labels(self) -> np.ndarray | None:
         """Every label, read at once (the check of the label range before training)."""
         if not self.has_labels:
             return None
-        return np.asarray(self._handle()[self.y_key][()])
+        return np.concatenate([np.asarray(self._locate(int(end) - 1)[0][self.y_key][()]) for end in self._ends])
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_file"], state["_pid"] = None, None  # never pickle an open handle
+        state["_handles"], state["_pid"] = {}, None  # never pickle an open handle
         return state
+
+
+def _sample_kind(path: str, x_key: str) -> tuple[str, str]:
+    """A file's sample shape and dtype, as text (files read as one dataset must agree)."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        return str(tuple(f[x_key].shape[1:])), str(f[x_key].dtype)
 
 
 def _bad(path: str, what: str, hint: str = "regenerate it with 'hvdkit data make-synthetic'") -> HvdkitError:
@@ -231,26 +351,110 @@ def check_h5_dataset(path: str | os.PathLike[str], model: str | None = None, x_k
         raise _bad(path, f"cannot be read ({first_line(exc, limit=None)})") from None
 
 
-def write_h5_dataset(path: str | os.PathLike[str], x: np.ndarray, y: np.ndarray | None = None,
-                     attrs: dict[str, Any] | None = None, chunk_samples: int = 1) -> Path:
-    """Write ``x`` (and ``y``) as an hvdkit dataset, atomically (built in memory, then renamed)."""
-    import io
+class H5Writer:
+    """An hvdkit dataset (``x`` of ``samples`` x ``sample_shape``, and ``y`` with ``labels``)
+    written block by block, atomically: HDF5 lays out two contiguous datasets (one sample is
+    then one contiguous read: random access needs no chunk index), the blocks go to their
+    place with ``pwrite`` as they come, and :meth:`close` renames the finished file into
+    place. Memory is one block; a full disk is one line, with nothing left behind."""
 
-    import h5py
+    def __init__(self, path: str | os.PathLike[str], samples: int, sample_shape: tuple[int, ...], x_dtype: Any,
+                 labels: Any = None, attrs: dict[str, Any] | None = None) -> None:
+        import shutil
 
-    buffer = io.BytesIO()
-    with h5py.File(buffer, "w") as f:
-        f.create_dataset("x", data=x, chunks=(min(chunk_samples, len(x)), *x.shape[1:]))
-        if y is not None:
-            f.create_dataset("y", data=y)
-        f.attrs.update(attrs or {})
-    out = Path(path)
-    try:
-        return write_bytes_atomic(out, buffer.getvalue(), durable=True)
-    except OSError as exc:
+        import h5py
+
+        from .fileio import SPACE_MARGIN
+        from .h5tree import SparseImage, contiguous_dataset
+
+        self.path = Path(path)
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
+        self.x_dtype, self.y_dtype = np.dtype(x_dtype), (np.dtype(labels) if labels is not None else None)
+        self.sample_bytes = int(np.prod(sample_shape, dtype=np.int64)) * self.x_dtype.itemsize
+        self.samples, self.sample_shape = samples, tuple(sample_shape)
+        image = SparseImage()
+        with h5py.File(image, "w") as f:
+            x = contiguous_dataset(f, "x", self.x_dtype, (samples, *sample_shape))
+            self.x_at = x.id.get_offset()
+            self.y_at = None
+            if self.y_dtype is not None:
+                self.y_at = contiguous_dataset(f, "y", self.y_dtype, (samples,)).id.get_offset()
+            f.attrs.update(attrs or {})
+        size = image.size
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if shutil.disk_usage(self.path.parent).free < size + SPACE_MARGIN:
+                raise OSError(28, os.strerror(28))
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            image.write_to(self.fd)
+        except OSError as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: OSError) -> None:
+        if hasattr(self, "fd"):
+            os.close(self.fd)
+            del self.fd
+        try:
+            self.tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
         reason = exc.strerror or (str(exc).splitlines() or ["I/O error"])[0]
-        raise HvdkitError(f"cannot write dataset {out}: {reason}",
+        raise HvdkitError(f"cannot write dataset {self.path}: {reason}",
                           "pick a writable directory with enough free space") from None
+
+    def _put(self, data: np.ndarray, at: int) -> None:
+        view = memoryview(np.ascontiguousarray(data)).cast("B")  # type: ignore[arg-type]
+        while view:
+            written = os.pwrite(self.fd, view, at)
+            view, at = view[written:], at + written
+
+    def write(self, start: int, x: np.ndarray, y: np.ndarray | None = None) -> None:
+        """Samples ``start .. start + len(x)``."""
+        x = np.asarray(x, dtype=self.x_dtype)
+        if tuple(x.shape[1:]) != self.sample_shape or start < 0 or start + len(x) > self.samples:
+            raise ValueError(f"block of {x.shape} at {start} does not fit {self.samples} x {self.sample_shape}")
+        try:
+            if len(x):
+                self._put(x, self.x_at + start * self.sample_bytes)
+            if self.y_dtype is not None and y is not None and len(y):
+                self._put(np.asarray(y, dtype=self.y_dtype), self.y_at + start * self.y_dtype.itemsize)
+        except OSError as exc:
+            self._fail(exc)
+
+    def close(self) -> Path:
+        """fsync and rename into place."""
+        from .fileio import fsync_dir
+
+        try:
+            os.fsync(self.fd)
+            os.close(self.fd)
+            del self.fd
+            os.replace(self.tmp, self.path)
+            fsync_dir(self.path.parent)
+        except OSError as exc:
+            self._fail(exc)
+        return self.path
+
+    def __enter__(self) -> H5Writer:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.close()
+        elif hasattr(self, "fd"):
+            os.close(self.fd)
+            del self.fd
+            self.tmp.unlink(missing_ok=True)
+
+
+def write_h5_dataset(path: str | os.PathLike[str], x: np.ndarray, y: np.ndarray | None = None,
+                     attrs: dict[str, Any] | None = None, block: int = 4096) -> Path:
+    """Write ``x`` (and ``y``) as an hvdkit dataset, atomically, ``block`` samples at a time
+    (:class:`H5Writer`; ``x`` and ``y`` may be memory maps or any array-like that slices)."""
+    with H5Writer(path, len(x), tuple(x.shape[1:]), x.dtype, y.dtype if y is not None else None, attrs) as out:
+        for start in range(0, len(x), block):
+            out.write(start, x[start:start + block], y[start:start + block] if y is not None else None)
+    return Path(path)
 
 
 def make_synthetic_h5(
@@ -265,11 +469,36 @@ def make_synthetic_h5(
                             {"model": model, "seed": seed, "num_samples": num_samples})
 
 
-def split_indices(num_samples: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+class _Drawn(Sequence[int]):
+    """Positions ``[start, stop)`` of a :class:`Permutation`, as a read-only sequence."""
+
+    def __init__(self, order: Permutation, start: int, stop: int) -> None:
+        self.order, self.start, self.stop = order, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        return self.order[self.start + (i % len(self))]
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.order.n, self.order.seed, self.start, self.stop))
+
+
+def split_indices(num_samples: int, fraction: float, seed: int) -> tuple[Sequence[int], Sequence[int]]:
     """(train, validation) indices: a fixed ``fraction`` of the samples, drawn with ``seed``.
 
     Depends on nothing but its arguments, so the split is the same across resumes, world
-    sizes and elastic resets. Both lists are sorted; the training sampler shuffles anyway.
+    sizes and elastic resets. Up to :data:`EXACT_LIMIT` samples both are sorted lists (what
+    earlier versions gave); above it, two views of one seeded permutation that compute each
+    index when asked (constant memory: the split of 200M samples is a few bytes).
     """
     if not 0.0 < fraction < 1.0:
         raise ConfigError(f"--val-fraction must be between 0 and 1, got {fraction}", "e.g. --val-fraction 0.1")
@@ -277,9 +506,11 @@ def split_indices(num_samples: int, fraction: float, seed: int) -> tuple[list[in
     if n_val >= num_samples:
         raise ConfigError(f"--val-fraction {fraction} leaves no training sample of {num_samples}",
                           "use a smaller fraction or more data")
-    gen = torch.Generator().manual_seed(0x5EED0000 + seed)  # not the training order's stream
-    order = torch.randperm(num_samples, generator=gen).tolist()
-    return sorted(order[n_val:]), sorted(order[:n_val])
+    order = Permutation(num_samples, 0x5EED0000 + seed)  # not the training order's stream
+    if num_samples > EXACT_LIMIT:
+        return _Drawn(order, n_val, num_samples), _Drawn(order, 0, n_val)
+    drawn = order.take(np.arange(num_samples)).tolist()
+    return sorted(drawn[n_val:]), sorted(drawn[:n_val])
 
 
 class SampleSeeded(Dataset):
@@ -372,10 +603,14 @@ def open_datasets(cfg: Any) -> tuple[Dataset, Dataset | None]:
 
 def all_labels(dataset: Any) -> Any:
     """Every label of a dataset that can list them cheaply (HDF5 ``y``, a TensorDataset's
-    second tensor, a Subset of either), in the dataset's index order; else ``None``."""
+    second tensor, a Subset of either), in the dataset's index order; else ``None``, also for
+    a dataset of more than :data:`EXACT_LIMIT` samples (the first batch's labels are checked
+    instead: reading every label would cost memory that grows with the data)."""
     from torch.utils.data import Subset, TensorDataset
 
     inner = unwrap_dataset(dataset)
+    if len(inner) > EXACT_LIMIT:
+        return None
     if isinstance(inner, Subset):
         labels = all_labels(inner.dataset)
         return None if labels is None else labels[np.asarray(inner.indices)]

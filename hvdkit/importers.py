@@ -54,8 +54,8 @@ def import_digits(directory: str | Path, image_size: int = 8, channels: int = 1)
     train, val = split_indices(len(y), DIGITS_VAL / len(y), seed=0)
     out = Path(directory)
     attrs = {"source": "sklearn.datasets.load_digits", "image_size": image_size, "channels": channels}
-    write_h5_dataset(out / "train.h5", x[train], y[train], {**attrs, "split": "train"}, chunk_samples=64)
-    write_h5_dataset(out / "val.h5", x[val], y[val], {**attrs, "split": "val"}, chunk_samples=64)
+    write_h5_dataset(out / "train.h5", x[train], y[train], {**attrs, "split": "train"})
+    write_h5_dataset(out / "val.h5", x[val], y[val], {**attrs, "split": "val"})
     return {"train": len(train), "val": len(val), "shape": list(x.shape[1:]), "classes": 10,
             "directory": str(out)}
 
@@ -119,8 +119,8 @@ def import_text(directory: str | Path, block: int = 64, max_bytes: int = 1_500_0
     train, val = windows(train_ids), windows(val_ids)
     if len(val) == 0:
         raise ConfigError("the validation text is shorter than one window", "use a smaller --block or more text")
-    write_h5_dataset(out / "train.h5", train, None, {**attrs, "split": "train"}, chunk_samples=256)
-    write_h5_dataset(out / "val.h5", val, None, {**attrs, "split": "val"}, chunk_samples=256)
+    write_h5_dataset(out / "train.h5", train, None, {**attrs, "split": "train"})
+    write_h5_dataset(out / "val.h5", val, None, {**attrs, "split": "val"})
     return {"train": len(train), "val": len(val), "vocab_size": len(vocab), "block": block,
             "characters": len(text), "modules": len(used), "unigram_entropy_nats": round(entropy, 4),
             "unigram_val_xent_nats": round(val_xent, 4), "directory": str(out)}

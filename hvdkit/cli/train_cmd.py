@@ -103,15 +103,16 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
 @_opt("--task", default=TRAIN["task"],
       help="classification, language-model, or pkg.module:fn(model, batch) returning the loss "
            "(or a dict of loss, count and metrics).")
-@_opt("--data", type=click.Path(dir_okay=False), default=None,
-      help="HDF5 training data: x (samples of any shape and dtype) and, for classification, y.")
+@_opt("--data", default=None,
+      help="HDF5 training data: x (samples of any shape and dtype) and, for classification, y. One file, "
+           "a list a.h5,b.h5, a glob 'shard-*.h5' or a directory of *.h5, read in that order as one dataset.")
 @_opt("--dataset", default=None,
       help="Your own data: pkg.module:fn returning a map-style Dataset, or (train, val).")
 @_opt("--dataset-arg", "dataset_args", multiple=True, callback=_arg_list, metavar="KEY=VALUE",
       help="Keyword argument for the dataset factory (repeatable).")
 @_opt("--num-samples", type=click.IntRange(min=1), default=TRAIN["num_samples"],
       help="Synthetic dataset size (built-in models without --data).")
-@_opt("--val-data", type=click.Path(dir_okay=False), default=None, help="HDF5 validation data.")
+@_opt("--val-data", default=None, help="HDF5 validation data (one file, a list, a glob or a directory).")
 @_opt("--val-fraction", type=float, default=TRAIN["val_fraction"],
       help="Hold out this fraction of the training data for validation (a fixed, seeded split).")
 @_opt("--eval-every", type=click.IntRange(min=0), default=TRAIN["eval_every"],
