@@ -41,7 +41,10 @@ RESUMED = ("horovod powersgd", "ddp shard=full", "horovod shard=optimizer")  # a
 def run(tree: Path, args: list[str], extra: list[str]) -> str:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMPI_ALLOW_RUN_AS_ROOT": "1",
            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "HVDKIT_NETWORK_BENCH": ""}
-    proc = subprocess.run([sys.executable, "-m", "hvdkit", "run", "-np", "2", "--", *MLP, *args, *extra],
+    backend = args[args.index("--backend") + 1]  # hvdkit run's own option: it launches for that backend
+    train = [a for k, a in enumerate(args) if a != "--backend" and (k == 0 or args[k - 1] != "--backend")]
+    proc = subprocess.run([sys.executable, "-m", "hvdkit", "run", "-np", "2", "--backend", backend, "--", *MLP,
+                           *train, *extra],
                           env=env, cwd=tree, capture_output=True, text=True, timeout=600)
     found = re.search(r"digest=(\w+)", proc.stdout)
     if proc.returncode != 0 or not found:
