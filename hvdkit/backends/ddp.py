@@ -253,16 +253,22 @@ class DDPReplicated(Replicated):
         """
         assert self.powersgd is not None
         works: list[Any] = []
+        settled = [False]  # in the future's callback every work is done: nothing is waited for there
 
         def allreduce_sum(tensor: torch.Tensor, _name: str) -> Any:
             work = dist.all_reduce(tensor, async_op=True)
             works.append(work)
-            return lambda: (work.wait(), tensor)[1]
+            # waiting on a work inside its own future's callback would wait for that callback
+            return lambda: tensor if settled[0] else (work.wait(), tensor)[1]
+
+        def decompress(_: Any) -> torch.Tensor:
+            settled[0] = True
+            return step.finish()
 
         step = self.powersgd.start(bucket.index(), bucket.is_last(), bucket.buffer(), bucket.gradients(),
                                    bucket.parameters(), allreduce_sum, self.comm.size)
-        step.send_q()
-        return torch.futures.collect_all([w.get_future() for w in works]).then(lambda _: step.finish())
+        step.send_q()  # waits for P (on this thread), starts Q
+        return torch.futures.collect_all([w.get_future() for w in works]).then(decompress)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if model is self.ddp else model  # type: ignore[return-value]
