@@ -22,7 +22,7 @@ from .log import debug, diag
 
 if TYPE_CHECKING:
     from .backends.base import Backend
-    from .progress import Progress, RunningLoss
+    from .position import LoopPosition, RunningLoss
     from .samplelog import SampleLog
 
 __all__ = ["Resumable", "ElasticMemory", "LoopStates"]
@@ -115,7 +115,7 @@ class LoopStates:
     ``start`` is the loop's own fresh start (the newest checkpoint, or rank 0's weights).
     """
 
-    def __init__(self, states: dict[str, Any], progress: Progress, loss: RunningLoss,
+    def __init__(self, states: dict[str, Any], progress: LoopPosition, loss: RunningLoss,
                  samples: SampleLog | None, backend: Backend, start: Callable[[], None]) -> None:
         self.states, self.progress, self.loss, self.samples = states, progress, loss, samples
         self.backend, self._start = backend, start
@@ -137,7 +137,7 @@ class LoopStates:
 
     def loaded(self, rolled_back_from: int | None = None,
                held: list[tuple[int, float]] | None = None) -> None:
-        """After a restore, a sync or a roll-back (:class:`~hvdkit.progress.RunningLoss` says
+        """After a restore, a sync or a roll-back (:class:`~hvdkit.position.RunningLoss` says
         what each does to the running loss); the sample log drops what is done again."""
         if rolled_back_from is not None:
             self.loss.rolled_back()

@@ -50,10 +50,10 @@ from .models import build_model
 from .nonfinite import NonFiniteWatch
 from .observe import Observers
 from .optim import make_optimizer
+from .position import LoopPosition, RunningLoss
 from .precision import autocast, lowp_support, make_scaler
 from .preemption import Preempted, Preemption
 from .profiling import step_profiler
-from .progress import Progress, RunningLoss
 from .samplelog import SampleLog
 from .schedule import LrPlan, warmup_factor
 from .tasks import Task, check_labels, make_task, to_device
@@ -255,7 +255,7 @@ class _Run:
     watch: NonFiniteWatch
     samples: SampleLog | None
     observers: Observers
-    progress: Progress = field(default_factory=Progress)
+    progress: LoopPosition = field(default_factory=LoopPosition)
     loss: RunningLoss = field(init=False)  # the epoch's running loss (over self.progress)
     saved_step: int | None = None  # at most one checkpoint per step
     saved_name: str | None = None

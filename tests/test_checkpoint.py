@@ -26,7 +26,7 @@ from hvdkit.checkpoint import (
 )
 from hvdkit.cli import cli
 from hvdkit.errors import CheckpointError
-from hvdkit.progress import Progress
+from hvdkit.position import LoopPosition
 
 
 def test_round_trip_is_exact(tmp_path):
@@ -40,7 +40,7 @@ def test_round_trip_is_exact(tmp_path):
         "extra.scalar": torch.tensor(3.5),
         "weird/name with spaces": torch.ones(2),
     }
-    loop = Progress(epoch=2, global_step=17, samples_seen=544, samples_in_epoch=32, loss_sums=[1.5, 2.25],
+    loop = LoopPosition(epoch=2, global_step=17, samples_seen=544, samples_in_epoch=32, loss_sums=[1.5, 2.25],
                     history=[{"epoch": 0, "loss": 0.5}]).state_dict()
     snap = Snapshot(states={"model": tensors, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                             "loop": loop, "seed": 17, "note": ("a", 1)},
@@ -108,7 +108,7 @@ def test_loop_state_edit_is_detected_and_ckpt_verify_says_so(tmp_path):
     model, opt, _ = trained_state()
     path = write_checkpoint(tmp_path / "ckpt-000000004.h5", Snapshot(
         states={"model": model.state_dict(), "optimizer": opt.state_dict(),
-                "loop": Progress(global_step=4).state_dict()}, meta={"step": 4}))
+                "loop": LoopPosition(global_step=4).state_dict()}, meta={"step": 4}))
     other = write_checkpoint(tmp_path / "ckpt-000000003.h5", Snapshot(states={"model": model.state_dict()}))
     with h5py.File(path, "r+") as f:  # a well-formed edit: HDF5 itself sees nothing wrong
         assert '"global_step", 4' in f.attrs["json:loop"]
@@ -132,7 +132,7 @@ def test_content_checksum_covers_attributes_even_without_the_digest(tmp_path):
 
     model, _, _ = trained_state()
     path = write_checkpoint(tmp_path / "c.h5", Snapshot(states={"model": model.state_dict(),
-                                                               "loop": Progress(global_step=4).state_dict()},
+                                                               "loop": LoopPosition(global_step=4).state_dict()},
                                                        meta={"step": 4}))
     with h5py.File(path, "r+") as f:
         before = content_checksum(f, data_bytes=False)  # format 4: each dataset by its CRC attribute
@@ -251,7 +251,7 @@ def test_a_format_2_checkpoint_of_hvdkit_0_2_still_resumes(tmp_path):
     (tmp_path / "ckpt-000000006.h5").write_bytes(seal_in_memory(bytearray(buffer.getvalue())))
     fresh = build_model("mlp", seed=5)
     optimizer = torch.optim.Adam(fresh.parameters(), lr=1e-3)
-    loop = Progress()
+    loop = LoopPosition()
     restored = CheckpointManager(tmp_path, LocalBackend(BackendConfig())).restore(
         {"model": fresh, "optimizer": optimizer, "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2),
          "loop": loop})
@@ -282,7 +282,7 @@ def test_ckpt_show_cli(tmp_path):
     model, opt, _ = trained_state()
     path = write_checkpoint(tmp_path / "ckpt-000000005.h5", Snapshot(
         states={"model": model.state_dict(), "optimizer": opt.state_dict(),
-                "loop": Progress(epoch=1, global_step=5).state_dict()},
+                "loop": LoopPosition(epoch=1, global_step=5).state_dict()},
         meta={"step": 5, "world_size": 2, "backend": "horovod", "states": {"model": "module",
                                                                            "optimizer": "optimizer",
                                                                            "loop": "stateful"}}))
@@ -338,9 +338,9 @@ def test_running_loss_rules_for_a_restore_a_sync_and_a_roll_back():
     """The rules RunningLoss keeps in one place, on one process: a restore takes this rank's
     saved sum (their mean at another world size), a sync where a rank lacks the newest commit
     folds the holders' mean, a roll-back returns to this rank's commit."""
-    from hvdkit.progress import Progress, RunningLoss
+    from hvdkit.position import LoopPosition, RunningLoss
 
-    p = Progress(loss_sums=[1.0, 3.0], steps_in_epoch=4)
+    p = LoopPosition(loss_sums=[1.0, 3.0], steps_in_epoch=4)
     loss = RunningLoss(p, torch.device("cpu"))
     loss.restored(rank=1, size=2)
     assert float(loss.local) == 3.0

@@ -17,7 +17,7 @@ from hvdkit import BackendConfig, build_model
 from hvdkit.backends import LocalBackend
 from hvdkit.checkpoint import CheckpointManager, capture_rng, read_checkpoint
 from hvdkit.h5tree import materialize
-from hvdkit.progress import Progress
+from hvdkit.position import LoopPosition
 
 FLIPS = 600
 
@@ -36,7 +36,7 @@ def _two_checkpoints(directory, fmt):
         opt.step()
         opt.zero_grad()
         sched.step()
-        loop = Progress(epoch=0, global_step=step, samples_seen=8 * step, samples_in_epoch=8 * step,
+        loop = LoopPosition(epoch=0, global_step=step, samples_seen=8 * step, samples_in_epoch=8 * step,
                         loss_sums=[0.5 * step])
         states = {"model": model, "optimizer": opt, "scheduler": sched, "loop": loop}
         if fmt == 4:

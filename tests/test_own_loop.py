@@ -279,7 +279,7 @@ def test_every_public_name_is_documented_and_every_documented_name_exists():
     assert documented == set(hvdkit.__all__) - {"__version__"}
     for name in documented:
         assert getattr(hvdkit, name) is not None, name
-    for internal in ("expand_nodelist", "make_synthetic_h5", "MODELS", "EvalShard", "Progress", "LocalBackend"):
+    for internal in ("expand_nodelist", "make_synthetic_h5", "MODELS", "EvalShard", "LoopPosition", "LocalBackend"):
         assert internal not in hvdkit.__all__
         with pytest.raises(AttributeError):
             getattr(hvdkit, internal)

@@ -1,6 +1,6 @@
 """Where a training run is: the one loop-state object, saved in checkpoints and elastic commits.
 
-:class:`Progress` is a *Stateful* (``state_dict``/``load_state_dict``), so it travels in the
+:class:`LoopPosition` is a *Stateful* (``state_dict``/``load_state_dict``), so it travels in the
 run's states dict like the model and the optimizer: one serialisation for disk and memory.
 Everything in it is small, plain and independent of the world size.
 """
@@ -16,11 +16,11 @@ if TYPE_CHECKING:
 
     from .backends.base import Backend
 
-__all__ = ["Progress", "RunningLoss"]
+__all__ = ["LoopPosition", "RunningLoss"]
 
 
 @dataclass
-class Progress:
+class LoopPosition:
     """The loop's position and what it has measured so far."""
 
     epoch: int = 0
@@ -49,7 +49,7 @@ class Progress:
                      "loss_sums": extra.get("loss_sums", []),
                      "history": [{"epoch": i, "loss": v} for i, v in enumerate(extra.get("epoch_losses", []))]}
         known = {f.name for f in fields(self)}
-        fresh = Progress()
+        fresh = LoopPosition()
         for name in known:
             setattr(self, name, copy.deepcopy(state.get(name, getattr(fresh, name))))
 
@@ -62,15 +62,15 @@ class RunningLoss:
     """The epoch's training loss, every rule of it in one place.
 
     The epoch loss is the mean of its step losses: the sum already folded over ranks
-    (``Progress.loss_committed``) plus each rank's running sum since the last fold, a 0-d
+    (``LoopPosition.loss_committed``) plus each rank's running sum since the last fold, a 0-d
     float64 tensor on the device (:attr:`local`: adding a step's loss does not wait for the
     device). Folding happens at the same steps in every mode, so the epoch loss is the same
-    bits in elastic and plain runs. What survives a stop lives in the :class:`Progress` it is
+    bits in elastic and plain runs. What survives a stop lives in the :class:`LoopPosition` it is
     given (checkpointed with the position): every rank's running sum at a checkpoint
     (``loss_sums``), and this rank's own at an elastic commit (``loss_pending``).
     """
 
-    def __init__(self, progress: Progress, device: torch.device) -> None:
+    def __init__(self, progress: LoopPosition, device: torch.device) -> None:
         import torch
 
         self.progress = progress
