@@ -320,6 +320,13 @@ class Backend(ABC):
     def shutdown(self) -> None:
         """Tear down the communication library (idempotent)."""
 
+    def close_strategy(self) -> None:
+        """First in a backend's :meth:`shutdown`: the strategy lets go of the model (see
+        :meth:`Strategy.close`) and this backend of the strategy."""
+        if self._strategy is not None:
+            self._strategy.close()
+            self._strategy = None
+
     def abort(self) -> None:
         """After a peer failed: make :meth:`shutdown` skip anything that talks to the others."""
         self._aborted = True

@@ -13,6 +13,7 @@ import datetime
 import gc
 import inspect
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -182,6 +183,12 @@ class DDPBackend(Backend):
             debug(f"exit barrier: a peer had gone already ({self.failure_summary(exc)})")
 
     def shutdown(self) -> None:
+        # The strategy holds DDP, whose reducer holds the group's connections. Kept alive (by
+        # atexit's reference to this backend, or by the hooks' cycle through C++), they stay
+        # open while a rank that failed waits in MPI_Finalize (mpi4py's, at exit), and a peer
+        # blocked in a collective with it never hears that it failed: both wait for ever.
+        self.close_strategy()
+        atexit.unregister(self.shutdown)
         if self._owns_group and dist.is_initialized():
             # DDP's reducer keeps the process group alive; if it is only freed at
             # interpreter exit, gloo's worker thread releases tensors while Python
@@ -210,6 +217,7 @@ class DDPReplicated(Replicated):
         self._last_gradient: float | None = None
         self._waited = 0.0  # exposed communication since the last optimizer step
         self._hooks: list[Any] = []
+        self._in_flight: list[tuple[Any, torch.futures.Future[torch.Tensor]]] = []  # PowerSGD buckets
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         opts, device = self.config.ddp, self.comm.device
@@ -221,6 +229,10 @@ class DDPReplicated(Replicated):
             static_graph=opts.static_graph,
             find_unused_parameters=opts.find_unused_parameters,
             **{_BUFFER_SYNC_ARG: opts.broadcast_buffers},  # type: ignore[arg-type]
+            # no broadcast from rank 0 here: broadcast_state (every backend's one start, from
+            # the root it is given, a checkpoint's reader included) follows the wrap; DDP's own
+            # would send the whole model once more, and from rank 0 whatever the root
+            init_sync=False,
         )
         spec = self.config.compression
         if spec.kind == "fp16":
@@ -229,7 +241,8 @@ class DDPReplicated(Replicated):
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif spec.kind == "powersgd":  # torch's powerSGD_hook's algorithm, issued in one order on every rank
             self.powersgd = PowerSGD(spec, {id(p): name for name, p in model.named_parameters()})
-            ddp.register_comm_hook(None, self._powersgd_hook)
+            hook = weakref.WeakMethod(self._powersgd_hook)  # DDP's reducer must not hold this strategy: see close
+            ddp.register_comm_hook(None, lambda state, bucket: hook()(state, bucket))  # type: ignore[misc]
         # The time of the last local gradient: DDP's reducer waits for its buckets at the end
         # of backward, so the exposed communication is from then until backward returns.
         self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready)
@@ -239,36 +252,43 @@ class DDPReplicated(Replicated):
     def _gradient_ready(self, _param: torch.Tensor) -> None:
         self._last_gradient = time.perf_counter()
 
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks, self._in_flight = [], []
+
     def _powersgd_hook(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """``register_comm_hook``: one bucket of PowerSGD, every collective started here, on the
-        autograd thread, in DDP's bucket order.
+        """``register_comm_hook``: one bucket of PowerSGD, every collective started and every
+        computation done here, on the autograd thread, in DDP's bucket order.
 
         Not torch's ``powerSGD_hook`` itself: it starts each bucket's second and third allreduce
         from completion callbacks, so on gloo two buckets' collectives can start in different
         orders on different ranks (seen: ResNet-18 over two nodes died with "Received data size
         doesn't match expected size"). Here the uncompressed part and P start, P (small: n x r
-        per matrix) is waited for, and Q starts; the future completes when those allreduces have,
-        and its callback only decompresses. The uncompressed part and Q still overlap the rest
-        of backward.
+        per matrix) is waited for, and Q starts; the uncompressed parts and the Qs overlap the
+        rest of backward. Each bucket is decompressed when the last one has started (DDP starts
+        them in order), on this thread: decompressed in a completion callback, on a thread of
+        its own next to backward's, the same run gave other bits each time (3 runs, 3 digests;
+        the math libraries split work by the threads they find free).
         """
         assert self.powersgd is not None
-        works: list[Any] = []
-        settled = [False]  # in the future's callback every work is done: nothing is waited for there
+        if bucket.index() == 0:
+            self._in_flight.clear()  # a backward that raised left its buckets behind
 
         def allreduce_sum(tensor: torch.Tensor, _name: str) -> Any:
             work = dist.all_reduce(tensor, async_op=True)
-            works.append(work)
-            # waiting on a work inside its own future's callback would wait for that callback
-            return lambda: tensor if settled[0] else (work.wait(), tensor)[1]
-
-        def decompress(_: Any) -> torch.Tensor:
-            settled[0] = True
-            return step.finish()
+            return lambda: (work.wait(), tensor)[1]
 
         step = self.powersgd.start(bucket.index(), bucket.is_last(), bucket.buffer(), bucket.gradients(),
                                    bucket.parameters(), allreduce_sum, self.comm.size)
-        step.send_q()  # waits for P (on this thread), starts Q
-        return torch.futures.collect_all([w.get_future() for w in works]).then(decompress)
+        step.send_q()  # waits for P, starts Q
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._in_flight.append((step, future))
+        if bucket.is_last():
+            in_flight, self._in_flight = self._in_flight, []
+            for started, done in in_flight:
+                done.set_result(started.finish())
+        return future
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if model is self.ddp else model  # type: ignore[return-value]

@@ -130,6 +130,11 @@ class Strategy:
     def reset(self) -> None:
         """The world was re-formed (elastic): nothing in flight of the old one survives."""
 
+    def close(self) -> None:
+        """The communicator is going: drop whatever ties this strategy and the model to each
+        other through hooks that Python's collector cannot see (they live in C++), so the model,
+        and what it holds of the communicator, is freed with its holder's last reference."""
+
     # -- the whole state, for checkpoints and elastic commits ------------------------------
     # A state dict here may hold, where the state is sharded, Deferred leaves
     # (hvdkit.h5tree): a tensor gathered only when whoever consumes the dict fetches it, one
