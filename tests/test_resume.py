@@ -153,7 +153,8 @@ def test_a_step_is_checkpointed_once_when_an_epoch_ends_on_checkpoint_every(tmp_
 
     written: list[str] = []
     real = ckmod.write_checkpoint
-    monkeypatch.setattr(ckmod, "write_checkpoint", lambda path, snap: written.append(path.name) or real(path, snap))
+    monkeypatch.setattr(ckmod, "write_checkpoint",
+                        lambda path, snap, **kw: written.append(path.name) or real(path, snap, **kw))
     ctx = train_command.make_context("train", ["--backend", "local", "--model", "tiny", "--epochs", "2",
                                                "--steps-per-epoch", "6",
                                                "--num-samples", "256", "--batch-size", "8",

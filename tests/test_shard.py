@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import HVDKIT, ROOT, base_env, read_metrics, render, sbatch, wait_done
+from helpers import HVDKIT, ROOT, base_env, check, launch, read_metrics, render, sbatch, wait_done
 from hvdkit.backends.buckets import plan_buckets
 from hvdkit.backends.zero import assign_owners
 from hvdkit.checkpoint import read_checkpoint
@@ -257,13 +257,34 @@ def test_fsdp_run_stopped_and_resumed_equals_the_straight_run(tmp_path):
     assert resumed["param_digest"] == straight["param_digest"] and resumed["final_loss"] == straight["final_loss"]
 
 
-def test_a_sharded_model_refuses_a_root_other_than_rank_0_instead_of_using_rank_0():
-    """torch scatters a sharded model's state from rank 0 only: a caller's root 1 was ignored
-    (rank 0's state went out); now it is refused before any collective."""
-    from hvdkit.backends import fsdp
+@pytest.mark.mp
+@pytest.mark.timeout(300)  # measured 5 s per case (2 cores)
+@pytest.mark.parametrize("backend,shard", [("ddp", "none"), ("ddp", "optimizer"), ("horovod", "none"),
+                                           ("horovod", "optimizer")])
+def test_every_strategy_takes_the_state_of_the_root_it_is_given(tmp_path, backend, shard):
+    """broadcast_state(root=1) after wrap: every rank continues exactly as rank 1 would have
+    alone, with rank 1's weights and Adam moments. Before, DDP's wrap sent rank 0's weights
+    (so rank 1 had none of its own left) and Horovod's and ZeRO's wraps dropped the
+    optimizer's state (a restore done before the wrap was lost on those backends only)."""
+    check(launch("mpirun", 2, [sys.executable, str(ROOT / "tests/workers/root_worker.py"), backend, shard,
+                               str(tmp_path)], timeout=240))
+    expected = torch.load(tmp_path / "rank1.pt")["own"]
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")["got"]
+        for stage, (e, g) in enumerate(zip(expected, got)):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=f"rank {rank}, stage {stage}")
+    own0 = torch.load(tmp_path / "rank0.pt")["own"]
+    assert not torch.allclose(own0[0], expected[0]), "the ranks must start different for this to test anything"
 
-    model = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="from rank 0 only .* not from rank 1"):
-        fsdp.scatter_model_state(model, rank=1, loaded=None, root=1)
-    with pytest.raises(ValueError, match="not from rank 1"):
-        fsdp.scatter_optimizer_state(model, torch.optim.SGD(model.parameters(), lr=0.1), rank=0, loaded=None, root=1)
+
+@pytest.mark.mp
+@pytest.mark.timeout(300)  # measured 6 s (2 cores)
+def test_a_fully_sharded_model_refuses_a_root_that_holds_no_state_on_every_rank(tmp_path):
+    """--shard full: wrap() takes rank 0's weights (once sharded, no rank holds its own whole
+    model), so root 1 with nothing loaded on it is refused, on every rank, before any tensor
+    moves, instead of silently giving rank 0's."""
+    proc = launch("mpirun", 2, [sys.executable, str(ROOT / "tests/workers/root_worker.py"), "ddp", "full",
+                                str(tmp_path)], timeout=240)
+    assert proc.returncode != 0
+    assert proc.stdout.count("so rank 1's can come only from a state loaded on rank 1") == 2, proc.stdout[-3000:]
+    assert not list(tmp_path.glob("rank*.pt"))

@@ -129,14 +129,19 @@ def scatter_model_state(model: nn.Module, comm: Communicator, loaded: dict[str, 
     is_root = comm.rank == root
     _reshard(model)
     own = model.state_dict()
-    problem = None
+    problem: tuple[str, str] | None = None
     if is_root and loaded is not None and set(loaded) != set(own):
         missing, extra = sorted(set(own) - set(loaded)), sorted(set(loaded) - set(own))
-        problem = f"the checkpoint's model does not match: missing {missing[:5]}, unexpected {extra[:5]}"
+        problem = (f"the checkpoint's model does not match: missing {missing[:5]}, unexpected {extra[:5]}",
+                   "restore into the model the checkpoint was written from")
+    if is_root and loaded is None and root != 0:
+        problem = (f"--shard full: every rank's parameters are rank 0's since wrap() (sharded, no rank holds "
+                   f"another's whole model), so rank {root}'s can come only from a state loaded on rank {root}",
+                   f"broadcast from root 0, or load the state on rank {root} before broadcasting from it")
     answer: Any = comm.broadcast_object((loaded is not None, problem) if is_root else None, root)
     holds, problem = answer
     if problem:
-        raise RuntimeError(problem)
+        raise HvdkitError(*problem)
     if not holds:
         broadcast_tensors(comm, model.named_buffers(), root)
         return
@@ -193,7 +198,10 @@ class FullyShardedStrategy(Strategy):
         # rank 0's whole weights first: once sharded, a "whole model" is every rank's part
         # of its own initialisation, and no rank holds rank 0's any more
         broadcast_tensors(self.comm, model.state_dict().items(), 0)
+        carried = optimizer.state_dict() if optimizer.state else None  # a restore before the wrap
         self.model, rebuilt = shard_model(model, optimizer)
+        if carried is not None:  # the rebuilt optimizer starts empty: the broadcast scatters root's
+            self._loaded[rebuilt] = carried
         return self.model, rebuilt
 
     def _model(self) -> nn.Module:

@@ -264,6 +264,9 @@ class HorovodReplicated(Replicated):
                 self.optimizer = hvd.DistributedOptimizer(optimizer, **common)
         except ValueError as exc:
             raise HvdkitError(f"Horovod rejected the optimizer options: {exc}", "see hvdkit train --help") from None
+        if optimizer.state:  # Horovod's optimizer is a new instance that starts with no state:
+            # carry what the caller's had (a restore before the wrap), as DDP's wrap does
+            self.optimizer.load_state_dict(optimizer.state_dict())
         return model, self.optimizer
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,

@@ -139,6 +139,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # overlap with backward: the engine's hooks start whole buckets, in order, as they complete
         self.engine = BucketEngine(self.params, plan, self._start, backward_passes)
         self.waited = 0.0  # seconds in step() waiting for collectives
+        if optimizer.state:  # state the caller's optimizer had (a restore before the wrap):
+            self.load_state_dict(optimizer.state_dict())  # kept; the broadcast gives root's
 
     @property
     def overlap(self) -> dict[str, int]:
