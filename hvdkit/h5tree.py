@@ -59,7 +59,8 @@ class ChecksumMismatch(ValueError):
 
 def crc32_of(array: np.ndarray, value: int = 0) -> int:
     """CRC-32 of an array's raw bytes (C order)."""
-    return zlib.crc32(np.ascontiguousarray(array).tobytes(), value) & 0xFFFFFFFF
+    # the array's own bytes, not a copy of them (tobytes() would hold a second tensor)
+    return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data, value) & 0xFFFFFFFF
 
 
 def _escape(name: str) -> str:
@@ -154,6 +155,32 @@ def materialize(tree: Any) -> Any:
         return {k: materialize(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         return type(tree)(materialize(v) for v in tree)
+    return tree
+
+
+def materialize_into(tree: Any, like: Any) -> Any:
+    """:func:`materialize`, but each tensor leaf is written into the tensor of the same shape and
+    dtype at the same place in ``like`` (an optimizer's current state, say) where there is one,
+    and that tensor is returned: a load then needs one tensor's memory above what is held, not
+    a second copy of the whole state. Elsewhere the leaf is read as it is."""
+    import torch
+
+    if isinstance(tree, (Stored, torch.Tensor)):
+        value = tree.read() if isinstance(tree, Stored) else tree
+        if isinstance(like, torch.Tensor) and isinstance(value, torch.Tensor) and like is not value \
+                and like.shape == value.shape and like.dtype == value.dtype:
+            with torch.no_grad():
+                like.copy_(value)
+            return like
+        return value
+    if isinstance(tree, dict):
+        mine = like if isinstance(like, dict) else {}
+        # a file's keys are strings where the state's were ints (an optimizer's parameter indices)
+        return {k: materialize_into(v, mine.get(k, mine.get(int(k)) if isinstance(k, str) and k.isdigit() else None))
+                for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        likes = like if isinstance(like, (list, tuple)) and len(like) == len(tree) else [None] * len(tree)
+        return type(tree)(materialize_into(v, m) for v, m in zip(tree, likes))
     return tree
 
 

@@ -21,6 +21,7 @@ import math
 import os
 import socket
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,6 +143,10 @@ def train(cfg: TrainConfig, backend: Backend | None = None,
         # join: shutdown() must not wait for them (DDP's exit barrier hung until --ddp-timeout).
         # This process exits; its peers then see the connection drop and stop too.
         backend.abort()
+        # The traceback's frames hold the model, and through it the communicator's connections
+        # (FSDP's units hold the process group): let them go, so that shutdown() can close
+        # them and the peers hear that this rank failed. What the traceback prints is kept.
+        traceback.clear_frames(exc.__traceback__)
         if not (isinstance(exc, RuntimeError) and backend.is_peer_failure(exc)):
             # who failed, for the one-line error 'hvdkit train' prints under the traceback
             exc.hvdkit_rank = f"rank {backend.rank}/{backend.size} ({backend.name}) on {socket.gethostname()}"  # type: ignore[attr-defined]

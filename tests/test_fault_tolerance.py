@@ -52,15 +52,18 @@ def test_ddp_rank_death_stops_the_others_with_a_message_and_rerun_resumes(tmp_pa
 
 @pytest.mark.mp
 @pytest.mark.timeout(120)  # measured 5 s (2 cores, loaded)
-@pytest.mark.parametrize("kind,backend", [("mpirun", "ddp"), ("hvd-gloo", "horovod")])
-def test_an_exception_on_one_rank_ends_every_rank_promptly(tmp_path, kind, backend):
+@pytest.mark.parametrize("kind,backend,shard", [("mpirun", "ddp", "none"), ("hvd-gloo", "horovod", "none"),
+                                                ("mpirun", "ddp", "optimizer"), ("mpirun", "ddp", "full"),
+                                                ("hvd-gloo", "horovod", "optimizer")])
+def test_an_exception_on_one_rank_ends_every_rank_promptly(tmp_path, kind, backend, shard):
     """One unreadable sample (bit rot): only the rank whose shard holds it raises, while its peer
     waits in the gradient allreduce. The failing rank must not wait for that peer on its way out
-    (DDP's shutdown barrier did, until --ddp-timeout: 30 minutes by default)."""
+    (DDP's shutdown barrier did, until --ddp-timeout: 30 minutes by default; so did a process
+    group that a strategy's gradient hooks kept alive while mpi4py's MPI_Finalize waited)."""
     data = bit_rotten_dataset(tmp_path / "d.h5", 77)
     t0 = time.monotonic()
     proc = launch(kind, 2, [*HVDKIT, "train", "--backend", backend, "--model", "tiny",
-                            "--data", str(data), "--epochs", "2", "--batch-size", "8",
+                            "--data", str(data), "--epochs", "2", "--batch-size", "8", "--shard", shard,
                             "--ddp-timeout", "900"], timeout=100)
     took = time.monotonic() - t0
     assert proc.returncode != 0

@@ -98,26 +98,33 @@ def skeleton(tree: Any) -> Any:
     return tree
 
 
-def broadcast_tree(comm: Communicator, tree: Any, root: int = 0) -> Any:
+def broadcast_tree(comm: Communicator, tree: Any, root: int = 0, into: Any = None) -> Any:
     """Collective: ``root``'s nested dicts and lists of tensors and plain values on every rank,
     one tensor in flight at a time (its structure first, as one small object): memory is the
     largest tensor, not the tree. Root gets its own tree back; the others, new tensors on
-    :attr:`Communicator.device`."""
+    :attr:`Communicator.device`, or, where ``into`` (a tree of theirs, such as an optimizer's
+    current state) holds a contiguous tensor of the same shape and dtype at the same place on
+    that device, that tensor overwritten: no second copy of the tree."""
     shapes = comm.broadcast_object(skeleton(tree) if comm.rank == root else None, root)
     counter = [0]
 
-    def fill(mine: Any, shape: Any) -> Any:
+    def fill(mine: Any, shape: Any, like: Any) -> Any:
         if isinstance(shape, TensorSpec):  # sent on the communicator's device, kept where root keeps it
             counter[0] += 1
-            t = mine.contiguous().to(comm.device) if comm.rank == root else \
+            reuse = isinstance(like, torch.Tensor) and tuple(like.shape) == shape.shape and \
+                like.dtype == shape.dtype and like.device == comm.device and like.is_contiguous()
+            t = mine.contiguous().to(comm.device) if comm.rank == root else like if reuse else \
                 torch.empty(shape.shape, dtype=shape.dtype, device=comm.device)
             comm.start_broadcast_(t, root, f"tree.{counter[0]}")()
-            return mine if comm.rank == root else t.to(shape.device)
+            return mine if comm.rank == root else t if reuse else t.to(shape.device)
         if isinstance(shape, dict):
-            return {k: fill(mine[k] if comm.rank == root else None, v) for k, v in shape.items()}
+            named = like if isinstance(like, dict) else {}
+            return {k: fill(mine[k] if comm.rank == root else None, v, named.get(k)) for k, v in shape.items()}
         if isinstance(shape, (list, tuple)):
-            return type(shape)(fill(mine[i] if comm.rank == root else None, v) for i, v in enumerate(shape))
+            likes = like if isinstance(like, (list, tuple)) and len(like) == len(shape) else [None] * len(shape)
+            return type(shape)(fill(mine[i] if comm.rank == root else None, v, likes[i])
+                               for i, v in enumerate(shape))
         return shape
 
     with torch.no_grad():
-        return fill(tree, shapes)
+        return fill(tree, shapes, into if comm.rank != root else None)

@@ -204,6 +204,19 @@ class FullyShardedStrategy(Strategy):
             self._loaded[rebuilt] = carried
         return self.model, rebuilt
 
+    def close(self) -> None:
+        """Let go of the model, and make its device mesh let go of the process group: DTensor's
+        sharding caches keep every mesh they saw for the life of the process, and a mesh keeps
+        its group's connections open (a failed rank then waits in MPI_Finalize with them open,
+        and its peers never hear that it failed)."""
+        from torch.distributed.tensor import DTensor
+
+        if self.model is not None:
+            for mesh in {p.device_mesh for p in self.model.parameters() if isinstance(p, DTensor)}:
+                getattr(mesh, "_pg_registry", {}).clear()  # torch 2.13's; the caches hold the mesh only
+        self.model = None
+        self._loaded.clear()
+
     def _model(self) -> nn.Module:
         assert self.model is not None, "wrap() comes first"
         return self.model

@@ -230,6 +230,7 @@ class HorovodBackend(Backend):
         self.hvd.barrier()
 
     def shutdown(self) -> None:
+        self.close_strategy()
         if self.hvd.is_initialized():
             self.hvd.shutdown()
 
@@ -331,6 +332,12 @@ class HorovodReplicated(Replicated):
         last rank joins; ``Average`` still divides by the whole size (measured, 2 ranks)."""
         yield
         self.hvd.join(self.comm.device.index if self.comm.device.type == "cuda" else -1)
+
+    def close(self) -> None:
+        """The bucketed reducer's gradient hooks go (Horovod's own optimizer keeps its hooks on
+        the gradient accumulators, which it offers no way to remove)."""
+        if self.reducer == "bucketed" and self.optimizer is not None:
+            self.optimizer.remove_hooks()
 
     def reset(self) -> None:
         """After an elastic reset: rebuild the buckets (no handle of the old ring survives)."""

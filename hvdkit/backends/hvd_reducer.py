@@ -94,6 +94,12 @@ class _BucketedOptimizer(torch.optim.Optimizer):
             self._views.append([part.view_as(self._reduced[i]) for i, part in zip(members, buf.split(sizes))])
         self._engine = BucketEngine(self._reduced, plan, self._allreduce, self.backward_passes_per_step)
 
+    def remove_hooks(self) -> None:
+        """Stop watching the gradients and drop what is in flight (the optimizer is discarded)."""
+        if self._engine is not None:
+            self._engine.reset(wait=False)
+            self._engine.remove()
+
     @property
     def buckets(self) -> list[tuple[int, ...]]:
         """The plan: indices into the reduced parameters, bucket by bucket."""

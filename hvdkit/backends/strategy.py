@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..h5tree import Stored, materialize
+from ..h5tree import Stored, materialize, materialize_into
 from .comm import Communicator, broadcast_tensors, broadcast_tree, state_tensors
 from .powersgd import STATE_KEY as POWERSGD_KEY
 from .powersgd import PowerSGD, apply_state, gather_state
@@ -91,6 +91,14 @@ def local_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | 
         return
     scaler.step(optimizer)
     scaler.update()
+
+
+def held_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The state tensors ``optimizer`` holds now, where its ``state_dict()`` puts them (by
+    parameter index): what a load can be read into. Not ``state_dict()`` itself, which is
+    collective for a sharded optimizer and a load may run on one rank alone."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {"state": {i: optimizer.state[p] for i, p in enumerate(params) if p in optimizer.state}}
 
 
 class Strategy:
@@ -159,8 +167,9 @@ class Strategy:
         return optimizer.state_dict()
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`optimizer_state_dict` on this rank (its tensors become the state)."""
-        optimizer.load_state_dict(materialize(state))
+        """Inverse of :meth:`optimizer_state_dict` on this rank: read tensor by tensor into the
+        state the optimizer holds where it has one (else the tensors read become the state)."""
+        optimizer.load_state_dict(materialize_into(state, held_state(optimizer)))
 
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, root: int) -> None:
         """Collective: every rank takes ``root``'s model and optimizer state. The optimizer
@@ -172,7 +181,8 @@ class Strategy:
 
     def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int) -> None:
         """Collective: every rank takes ``root``'s whole optimizer state, one tensor at a time."""
-        state = broadcast_tree(self.comm, optimizer.state_dict() if self.comm.rank == root else None, root)
+        state = broadcast_tree(self.comm, optimizer.state_dict() if self.comm.rank == root else None, root,
+                               into=held_state(optimizer))  # received into the state held, if any
         if self.comm.rank != root:
             optimizer.load_state_dict(state)
 
@@ -222,7 +232,7 @@ class Replicated(Strategy):
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         state = dict(state)
         saved = materialize(state.pop(POWERSGD_KEY, None))
-        optimizer.load_state_dict(materialize(state))
+        optimizer.load_state_dict(materialize_into(state, held_state(optimizer)))
         if self.powersgd is not None:
             self._powersgd_loaded = saved  # None: saved without PowerSGD, which starts afresh
             apply_state(self.comm, self.powersgd, saved)

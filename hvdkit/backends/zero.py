@@ -43,9 +43,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..h5tree import Deferred, materialize
+from ..h5tree import Deferred, materialize, materialize_into
 from .buckets import BucketEngine, bucket_bytes, plan_buckets
-from .comm import Communicator, TensorSpec, Wait, skeleton, state_tensors
+from .comm import Communicator, TensorSpec, Wait, broadcast_tree, skeleton, state_tensors
 from .strategy import Strategy, same_optimizer
 
 __all__ = ["OwnedBucket", "ShardedOptimizer", "ZeroStrategy", "assign_owners"]
@@ -166,7 +166,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             at += self.params[i].numel()
 
     def remove_hooks(self) -> None:
-        """Stop watching the parameters' gradients (the optimizer is being discarded)."""
+        """Stop watching the parameters' gradients and drop what is in flight (the optimizer is
+        being discarded)."""
+        self.engine.reset(wait=False)
         self.engine.remove()
 
     # -- the step, in three collective parts ---------------------------------------------
@@ -343,7 +345,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.local is None:
             return
         order = self._local_order()
-        local_state = {k: materialize(_entry(state, i)) for k, i in enumerate(order) if _entry(state, i) is not None}
+        held = self.local.state_dict()["state"]  # read into where this rank holds state already
+        local_state = {k: materialize_into(_entry(state, i), held.get(k)) for k, i in enumerate(order)
+                       if _entry(state, i) is not None}
         self.local.load_state_dict({"state": local_state, "param_groups": _indexed(self.local.param_groups)})
 
     def scatter_pending(self, root: int = 0) -> None:
@@ -359,12 +363,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._pending = None
             return
         received: dict[int, Any] = {}
+        held: dict[int, Any] = {}  # this rank's current state by global index: each entry is received into it
+        if self.local is not None and self.comm.rank != root:
+            order = self._local_order()
+            held = {order[k]: v for k, v in self.local.state_dict()["state"].items()}
         for i, owner in enumerate(self.owner):
             if owner == root:
                 continue  # root loaded its own already
             entry = materialize(_entry(full["state"], i)) if full is not None else None  # one parameter's
-            value = self.comm.broadcast_object(entry, root)
-            if owner == self.comm.rank and value is not None:
+            owned = owner == self.comm.rank
+            value = broadcast_tree(self.comm, entry, root, into=held.get(i) if owned else None)
+            if owned and value is not None:
                 received[i] = value
         if self.comm.rank != root:
             self._load_mine(received)
@@ -402,6 +411,11 @@ class ZeroStrategy(Strategy):
         sharded.step(clip_grad_norm=clip_grad_norm)
         return sharded.waited - waited
 
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        # the tensors stay in the file: this rank reads the part it owns, and the scatter the
+        # rest, one parameter's state at a time
+        optimizer.load_state_dict({**state, "param_groups": materialize(state["param_groups"])})
+
     def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int) -> None:
         self._sharded().scatter_pending(root)  # each rank takes the part it owns
 
@@ -415,3 +429,7 @@ class ZeroStrategy(Strategy):
 
     def report(self) -> dict[str, Any]:
         return {"shard_overlap": dict(self.optimizer.overlap)} if self.optimizer is not None else {}
+
+    def close(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.remove_hooks()
