@@ -15,8 +15,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import queue
+import threading
 import zlib
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,7 @@ USERBLOCK = 512
 MAGIC = b"hvdkit-checkpoint 2\n"  # the header's version, not the layout's (format_version)
 MAGIC_FILE = b"hvdkit-checkpoint 3\n"  # the same header, sealed on disk (format 4)
 BLOCK = 8 << 20  # bytes read at a time to hash a file
+AHEAD = 3  # blocks read ahead of the hash
 
 
 class HeaderError(ValueError):
@@ -43,11 +47,42 @@ def _header(magic: bytes, size: int, digest: str) -> bytes:
 
 
 def _file_digest(fd: int, start: int) -> tuple[int, str]:
-    """Size and SHA-256 of a file's bytes from ``start``, read in :data:`BLOCK` pieces."""
-    h, size, at = hashlib.sha256(), 0, start
-    while chunk := os.pread(fd, BLOCK, at):
-        h.update(chunk)
-        size, at = size + len(chunk), at + len(chunk)
+    """Size and SHA-256 of a file's bytes from ``start``, read in :data:`BLOCK` pieces.
+
+    A thread reads the next blocks while this one hashes (both let go of the GIL): a cold
+    read and the hash take about as long each, and in turn they took twice as long (the
+    restore's largest cost). Memory: :data:`AHEAD` + 1 blocks."""
+    blocks: queue.Queue[bytes | BaseException] = queue.Queue(maxsize=AHEAD)
+
+    def read() -> None:
+        at = start
+        try:
+            with contextlib.suppress(AttributeError, OSError):  # a hint only
+                os.posix_fadvise(fd, start, 0, os.POSIX_FADV_SEQUENTIAL)
+            while chunk := os.pread(fd, BLOCK, at):
+                blocks.put(chunk)
+                at += len(chunk)
+            blocks.put(b"")
+        except BaseException as exc:  # raised again by the hashing thread
+            blocks.put(exc)
+
+    reader = threading.Thread(target=read, name="hvdkit-digest-read", daemon=True)
+    reader.start()
+    h, size = hashlib.sha256(), 0
+    try:
+        while True:
+            chunk = blocks.get()
+            if isinstance(chunk, BaseException):
+                raise chunk
+            if not chunk:
+                break
+            h.update(chunk)
+            size += len(chunk)
+    finally:
+        while reader.is_alive():  # never leave the reader blocked on a full queue
+            with contextlib.suppress(queue.Empty):
+                blocks.get(timeout=0.1)
+        reader.join()
     return size, h.hexdigest()
 
 
