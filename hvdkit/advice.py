@@ -14,9 +14,13 @@ the run does not use already. No file, no clear winner: no advice. Nothing is gu
 from __future__ import annotations
 
 import json
+import math
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from .log import warn
 
 if TYPE_CHECKING:
     from .config import TrainConfig
@@ -33,6 +37,10 @@ def bench_file() -> Path | None:
     if "HVDKIT_NETWORK_BENCH" in os.environ:
         explicit = os.environ["HVDKIT_NETWORK_BENCH"]
         return Path(explicit) if explicit else None
+    return _default_file()
+
+
+def _default_file() -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "hvdkit" / "network.json"
 
@@ -58,15 +66,73 @@ def _uses(knobs: dict[str, str], options: list[str]) -> bool:
     return all(_same(knobs.get(flag, ""), value) for flag, value in zip(options[::2], options[1::2]))
 
 
+MAX_BYTES = 64 << 20  # a bench file is kilobytes; anything near this is not one
+_warned: set[str] = set()
+
+
+def _figure(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{where} is {json.dumps(value)[:40]}, not a positive number of seconds")
+    return float(value)
+
+
+def _checked(report: Any) -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
+    """The report's rows and options, each field of the shape the bench writes; else a
+    ValueError naming the first field that is not."""
+    if not isinstance(report, dict) or not isinstance(report.get("rows"), list) \
+            or not isinstance(report.get("options"), dict):
+        raise ValueError("it has no 'rows' list and 'options' mapping")
+    options = report["options"]
+    for name, opts in options.items():
+        if not isinstance(opts, list) or not all(isinstance(o, str) for o in opts):
+            raise ValueError(f"options[{name!r}] is not a list of strings")
+    for i, row in enumerate(report["rows"]):
+        if not isinstance(row, dict) or not isinstance(row.get("variants"), dict) \
+                or not isinstance(row.get("link"), str) or not isinstance(row.get("model"), str):
+            raise ValueError(f"rows[{i}] has no 'link', 'model' and 'variants'")
+        if max(len(row["link"]), len(row["model"]), *map(len, row["variants"])) > 200:
+            raise ValueError(f"rows[{i}] has a name of over 200 characters")
+        for name, v in row["variants"].items():
+            if not isinstance(v, dict):
+                raise ValueError(f"rows[{i}] variant {name!r} is not a mapping")
+            for key in ("median_s", "p25_s", "p75_s"):
+                _figure(v.get(key), f"rows[{i}] {name!r} {key}")
+    return report["rows"], options
+
+
 def _rows(path: Path | None) -> tuple[list[dict[str, Any]], dict[str, list[str]]] | None:
-    """The bench file's rows and variant options, or None when there is nothing measured."""
+    """The bench file's rows and variant options, or None when there is nothing measured.
+
+    Advice never fails a run: a file that cannot be used is one warning line (once per file),
+    and the run goes on without advice. Only the default path may be missing without a word.
+    """
     if path is None:
         return None
     try:
-        report: dict[str, Any] = json.loads(path.read_text())
-        return report["rows"], report["options"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # nothing measured (or not a bench file): nothing to say
+        mode = path.stat().st_mode
+        if not stat.S_ISREG(mode):  # a FIFO would block the read; a directory cannot be read
+            raise ValueError("it is not a regular file")
+        if path.stat().st_size > MAX_BYTES:
+            raise ValueError(f"it is over {MAX_BYTES >> 20} MiB, which no bench writes")
+        return _checked(json.loads(path.read_text()))
+    except FileNotFoundError:
+        if path == _default_file():
+            return None  # never measured here: nothing to say
+        why = "it does not exist"
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc).splitlines()[0][:200]
+    if str(path) not in _warned:
+        _warned.add(str(path))
+        warn(f"ignoring the network bench file {path}: {why}; the run goes on without its advice. "
+             "HINT: run benchmarks/network.py again to rewrite it, or set HVDKIT_NETWORK_BENCH= to turn advice off")
+    return None
+
+
+def _listed(names: set[str], shown: int = 3) -> str:
+    """At most ``shown`` names, then how many more: one readable line, whatever the file holds."""
+    ordered = sorted(names)
+    more = f" and {len(ordered) - shown} more" if len(ordered) > shown else ""
+    return ", ".join(ordered[:shown]) + more
 
 
 def _clearly_faster(v: dict[str, Any], base: dict[str, Any]) -> bool:
@@ -92,7 +158,7 @@ def measured_controller(path: Path | None = None) -> tuple[str, str] | None:
         links.add(row["link"])
     if not ratios:
         return None
-    return "gloo", (f"{MEASURED} on this cluster's link ({', '.join(sorted(links))}): the network bench ran it at "
+    return "gloo", (f"{MEASURED} on this cluster's link ({_listed(links)}): the network bench ran it at "
                     f"{min(ratios):.2f}-{max(ratios):.2f}x the MPI controller's step time, {path}; "
                     "--controller mpi overrides")
 

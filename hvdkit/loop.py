@@ -738,7 +738,10 @@ def _end_epoch(run: _Run, epoch: _EpochEnd) -> bool:
                 f"({backend.size} ranks)")
         if not run.advised and comm == comm and comm >= WAIT_SHARE:  # once, and only what was measured
             run.advised = True
-            tip = advise(run.cfg, comm)
+            try:  # advice never fails a run (a bench file it cannot use is a warning already)
+                tip = advise(run.cfg, comm)
+            except Exception as exc:  # a defect here must not cost the user the run
+                tip = f"no network advice: {type(exc).__name__}: {exc}".splitlines()[0]
             if tip:
                 warn(tip)
     run.observers.epoch(run, record)

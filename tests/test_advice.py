@@ -4,7 +4,10 @@ nothing where nothing was measured or nothing clearly helped."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
+from helpers import HVDKIT, base_env
 from hvdkit.advice import MEASURED, advise, bench_file, measured_controller
 from hvdkit.config import BackendConfig, DDPOptions, HorovodOptions, TrainConfig
 from hvdkit.launch.local import horovod_controller
@@ -84,3 +87,81 @@ def test_auto_takes_the_measured_controller_only_across_hosts(tmp_path, monkeypa
     assert horovod_controller("mpi", hosts="node1:1,node2:1") == ("mpi", "asked for")
     monkeypatch.setenv("HVDKIT_NETWORK_BENCH", "")
     assert horovod_controller("auto", hosts="node1:1,node2:1")[0] == "mpi"
+
+
+def _bad_bench_files(tmp_path):
+    """Every kind of file a user may name that advice cannot use: (what, path)."""
+    good_row = {"link": "1gbit", "model": "resnet18",
+                "variants": {"horovod default": _variant(0.5), "horovod gloo": _variant(0.3)}}
+
+    def report(**changes):
+        return json.dumps({"options": {}, "rows": [{**good_row, **changes}]})
+
+    texts = {
+        "empty": "", "not json": "{not json", "a list": "[]", "not utf-8": b"\xff\xfe\x00",
+        "rows a string": json.dumps({"rows": "abc", "options": {}}),
+        "no options": json.dumps({"rows": []}),
+        "options not strings": json.dumps({"rows": [], "options": {"x": [1]}}),
+        "a missing key": report(variants={"horovod default": {"median_s": 0.5, "p25_s": 0.4}}),
+        "a zero median": report(variants={"horovod default": _variant(0.0, 0.0), "horovod gloo": _variant(0.3)}),
+        "figures as strings": report(variants={"horovod default": {"median_s": "0.5", "p25_s": "0.4", "p75_s": "0.6"},
+                                               "horovod gloo": _variant(0.3)}),
+        "NaN medians": report(variants={"horovod default": _variant(float("nan")),
+                                        "horovod gloo": _variant(float("nan"))}),
+        "a name of 1 MB": report(link="x" * 1_000_000),
+        "a variant not a mapping": report(variants={"horovod default": [0.5]}),
+    }
+    out = []
+    for k, (what, text) in enumerate(texts.items()):
+        path = tmp_path / f"bad{k}.json"
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        out.append((what, path))
+    (tmp_path / "a-directory").mkdir()
+    os.mkfifo(tmp_path / "a-fifo")
+    return out + [("missing", tmp_path / "missing.json"), ("a directory", tmp_path / "a-directory"),
+                  ("a FIFO", tmp_path / "a-fifo")]
+
+
+def test_a_bench_file_that_cannot_be_used_is_one_warning_and_never_advice(tmp_path, caplog):
+    """Advice never fails a run or a dry run: each file of the wrong shape (the class of #44's
+    item 4) gives no advice, no controller switch, and one warning line naming the file."""
+    cfg = TrainConfig(backend=BackendConfig(name="horovod"))
+    for what, path in _bad_bench_files(tmp_path):
+        caplog.clear()
+        assert advise(cfg, 0.9, path) is None, what
+        assert measured_controller(path) is None, what  # same file, warned once
+        warnings = [r.getMessage() for r in caplog.records if r.name == "hvdkit"]
+        assert len(warnings) == 1, (what, warnings)
+        line = warnings[0]
+        assert line.startswith(f"WARNING: ignoring the network bench file {path}: ") and "\n" not in line, what
+        assert len(line) < 400 and "HINT:" in line, (what, line)
+
+def test_the_default_bench_file_never_written_says_nothing(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("HVDKIT_NETWORK_BENCH", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert measured_controller() is None
+    assert advise(TrainConfig(backend=BackendConfig(name="horovod")), 0.9) is None
+    assert not [r for r in caplog.records if r.name == "hvdkit"]
+
+
+def test_a_dry_run_across_hosts_with_a_bad_bench_file_warns_and_prints_its_command(tmp_path):
+    """The end-to-end form: a bench file the user named that is NaN-filled, across two hosts."""
+    path = tmp_path / "nan.json"
+    path.write_text(json.dumps({"options": {}, "rows": [{"link": "1gbit", "model": "gpt", "variants": {
+        "horovod default": _variant(float("nan")), "horovod gloo": _variant(float("nan"))}}]}))
+    proc = subprocess.run([*HVDKIT, "run", "--dry-run", "-np", "2", "-H", "node1:1,node2:1", "--backend", "horovod",
+                           "--", "--model", "tiny"], env=base_env(HVDKIT_NETWORK_BENCH=str(path)),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    warned = [ln for ln in proc.stderr.splitlines() if "WARNING" in ln]
+    assert len(warned) == 1 and str(path) in warned[0] and "not a positive number" in warned[0], proc.stderr
+    assert "horovodrun" in proc.stdout and "nan" not in proc.stdout.lower(), proc.stdout
+
+
+def test_a_reason_names_at_most_three_links_whatever_the_file_holds(tmp_path):
+    path = tmp_path / "many.json"
+    path.write_text(json.dumps({"options": {}, "rows": [
+        {"link": f"link{i}", "model": "gpt", "variants": {"horovod default": _variant(0.5),
+                                                          "horovod gloo": _variant(0.4)}} for i in range(20_000)]}))
+    controller, why = measured_controller(path)
+    assert controller == "gloo" and "and 19997 more" in why and len(why) < 400, why
