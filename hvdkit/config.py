@@ -245,7 +245,9 @@ class DDPOptions:
 
     def __post_init__(self) -> None:
         _positive("bucket_cap_mb", self.bucket_cap_mb)
-        _positive("timeout_s", self.timeout_s)
+        if not self.timeout_s >= 1:  # torch counts it in whole milliseconds; 0 fails deep in C++
+            raise ConfigError(f"--ddp-timeout must be at least 1 second, got {self.timeout_s:g}",
+                              "pass seconds, e.g. --ddp-timeout 1800 (the default)")
         parse_compression(self.compression)
         if self.process_group_backend is not None:
             _choice("process group backend", self.process_group_backend, ("gloo", "nccl", "mpi"))
@@ -299,6 +301,11 @@ class BackendConfig:
         return float(self.options.bucket_cap_mb if self.options else DDPOptions.bucket_cap_mb)
 
     def __post_init__(self) -> None:
+        if self.name not in BACKENDS and self.name == launched_backend():  # not given: the environment's
+            from .launch.vocabulary import BACKEND_VAR
+
+            raise ConfigError(f"{BACKEND_VAR}={self.name!r} in the environment is not a backend",
+                              f"set it to one of: {', '.join(BACKENDS)} (hvdkit's launchers set it), or unset it")
         _choice("backend", self.name, BACKENDS)
         _choice("shard", self.shard, SHARD_MODES)
         own = TRAITS[self.name]

@@ -49,6 +49,7 @@ CASES = [
     ("slurm -o x.sbatch -- --model missing.py:net --data tiny.h5", 2, "file missing.py does not exist"),
     ("slurm -o x.sbatch -- --model factories.py:nope --data tiny.h5", 2, "factories.py defines no 'nope'"),
     ("slurm -o x.sbatch -- --lr nan", 2, "Invalid value for '--lr': 'nan' is not a finite number"),
+    ("slurm -o x.sbatch -- --backend ddp --ddp-timeout 1e-9", 2, "'--ddp-timeout': 1e-09 is not in the range x>=1"),
     ("slurm -o x.sbatch -- --compression powersgd:rank=0", 2, "--compression powersgd:rank=0: rank must be >= 1"),
     ("slurm -o x.sbatch -- --compression powersgd --elastic", 2, "--compression powersgd cannot be combined "
      "with --elastic"),

@@ -28,6 +28,8 @@ def test_horovod_environment_mapping():
     (lambda: HorovodOptions(op="adasum", gradient_predivide_factor=2.0), "needs op 'average'"),
     (lambda: HorovodOptions(fusion_threshold_mb=-1), "fusion_threshold_mb must be >= 0"),
     (lambda: DDPOptions(bucket_cap_mb=0), "bucket_cap_mb must be > 0"),
+    (lambda: DDPOptions(timeout_s=1e-9), "--ddp-timeout must be at least 1 second, got 1e-09"),
+    (lambda: DDPOptions(timeout_s=float("nan")), "--ddp-timeout must be at least 1 second, got nan"),
     (lambda: TrainConfig(model="resnet"), "model 'resnet' is not known"),
     (lambda: TrainConfig(lr=0), "lr must be a finite number > 0"),
     (lambda: TrainConfig(lr=float("nan")), "lr must be a finite number > 0, got nan"),
@@ -142,3 +144,11 @@ def test_the_configs_task_and_optimizer_names_are_what_tasks_and_optim_build():
     model = torch.nn.Linear(2, 2)
     built = {n: type(make_optimizer(TrainConfig(optimizer=n), model, 0.1)).__name__.lower() for n in OPTIMIZER_NAMES}
     assert built == {n: n for n in OPTIMIZER_NAMES}
+
+
+def test_a_bad_hvdkit_backend_in_the_environment_is_named_as_the_cause(monkeypatch):
+    monkeypatch.setenv("HVDKIT_BACKEND", "Horovod")
+    with pytest.raises(ConfigError, match=re.escape("HVDKIT_BACKEND='Horovod' in the environment is not a backend")):
+        BackendConfig()
+    with pytest.raises(ConfigError, match="backend 'bogus' is not known"):  # a name given is blamed as given
+        BackendConfig(name="bogus")

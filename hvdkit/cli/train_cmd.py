@@ -189,7 +189,7 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
 @_opt("--static-graph/--no-static-graph", default=DDP["static_graph"])
 @_opt("--broadcast-buffers/--no-broadcast-buffers", default=DDP["broadcast_buffers"],
       help="DDP buffer sync every forward.")
-@_opt("--ddp-timeout", type=click.FloatRange(min=0, min_open=True), default=DDP["timeout_s"],
+@_opt("--ddp-timeout", type=click.FloatRange(min=1), default=DDP["timeout_s"],
       help="Process-group timeout in seconds.")
 @_opt("--environment", type=click.Choice(ENVIRONMENT_NAMES), default=DDP["environment"],
       help="Launcher environment for DDP rendezvous.")
