@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,9 @@ def load_runs(paths: list[str]) -> list[tuple[str, dict[str, Any]]]:
             if bad is not None:
                 raise HvdkitError(f"{path}: history record {n} has no numeric {bad!r}",
                                   "pass files written by hvdkit train --metrics-file, unedited")
+        if not any(math.isfinite(record["loss"]) for record in data["history"]):
+            raise HvdkitError(f"{path}: every epoch's loss is nan or infinite, so there is nothing to draw",
+                              "the run diverged: rerun it with a lower --lr (--on-nonfinite stop ends it at the first one), then plot it")
         shard = data.get("shard", "none")
         label = f"{path.stem} ({data.get('backend', '?')}, {data.get('world_size', '?')} ranks" \
                 f"{'' if shard == 'none' else f', --shard {shard}'})"

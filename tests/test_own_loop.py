@@ -239,6 +239,22 @@ def test_hvdkit_plot_draws_the_curves_of_several_runs(tmp_path):
     assert bad.returncode == 1 and bad.stderr.startswith("Error: cannot read") and len(bad.stderr.splitlines()) == 1
 
 
+def test_plot_of_a_run_whose_every_loss_is_nan_or_inf_is_one_error_and_no_figure(tmp_path):
+    from hvdkit.errors import HvdkitError
+    from hvdkit.plot import load_runs
+
+    for name, losses in (("nan", [float("nan")] * 3), ("inf", [float("inf"), float("-inf")])):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"backend": "ddp", "world_size": 2, "history": [
+            {"epoch": e, "step": e + 1, "loss": v} for e, v in enumerate(losses)]}))
+        with pytest.raises(HvdkitError, match="every epoch's loss is nan or infinite"):
+            load_runs([str(path)])
+    partly = tmp_path / "partly.json"  # a finite loss to draw: plotted, the rest left out by matplotlib
+    partly.write_text(json.dumps({"history": [{"epoch": 0, "step": 1, "loss": 1.0},
+                                              {"epoch": 1, "step": 2, "loss": float("nan")}]}))
+    assert len(load_runs([str(partly)])) == 1
+
+
 LOG_AFTER_TRAIN = """
 import hvdkit
 from hvdkit.log import diag, install_console
