@@ -43,7 +43,7 @@ def load_runs(paths: list[str]) -> list[tuple[str, dict[str, Any]]]:
                                   "pass files written by hvdkit train --metrics-file, unedited")
         if not any(math.isfinite(record["loss"]) for record in data["history"]):
             raise HvdkitError(f"{path}: every epoch's loss is nan or infinite, so there is nothing to draw",
-                              "the run diverged: rerun it with a lower --lr (--on-nonfinite stop ends it at the first one), then plot it")
+                              "the run diverged: rerun it with a lower --lr, then plot it")
         shard = data.get("shard", "none")
         label = f"{path.stem} ({data.get('backend', '?')}, {data.get('world_size', '?')} ranks" \
                 f"{'' if shard == 'none' else f', --shard {shard}'})"

@@ -49,7 +49,7 @@ CASES = [
     ("slurm -o x.sbatch -- --model missing.py:net --data tiny.h5", 2, "file missing.py does not exist"),
     ("slurm -o x.sbatch -- --model factories.py:nope --data tiny.h5", 2, "factories.py defines no 'nope'"),
     ("slurm -o x.sbatch -- --lr nan", 2, "Invalid value for '--lr': 'nan' is not a finite number"),
-    ("slurm -o x.sbatch -- --backend ddp --ddp-timeout 1e-9", 2, "'--ddp-timeout': 1e-09 is not in the range x>=1"),
+    ("slurm -o x.sbatch -- --backend ddp --ddp-timeout 1e-9", 2, "'--ddp-timeout': 1e-09 is not in the range finite, x>=1"),
     ("slurm -o x.sbatch -- --compression powersgd:rank=0", 2, "--compression powersgd:rank=0: rank must be >= 1"),
     ("slurm -o x.sbatch -- --compression powersgd --elastic", 2, "--compression powersgd cannot be combined "
      "with --elastic"),
@@ -176,6 +176,18 @@ CASES = [
     ("sweep status .", 1, "holds no sweep"),
     ("sweep badspace.yaml --slurm --backend local", 2, "runs one plain process"),
     ("bench --bogus", 2, "No such option"),
+    # hvdkit bench: every value checked before anything is measured, and no results directory
+    ("bench --models bogus", 2, "--models: bogus is not a model the reducer/ab/fusion/scaling/model experiments"),
+    ("bench --only paths --models gpt,tiny", 2, "--models: tiny is not a model of the paths experiment"),
+    ("bench --only paths --paths bogus", 2, "unknown: bogus"),
+    ("bench --sizes abc", 2, "'abc' in 'abc' is not a number"),
+    ("bench --sizes 1e400", 2, "'1e400' in '1e400' is not a number"),
+    ("bench --sizes 4096,-5", 2, "--sizes 4096,-5: each value must be a finite number >= 1 byte"),
+    ("bench --world-sizes 1,0", 2, "--world-sizes 1,0: each value must be a finite number >= 1"),
+    ("bench --fusion-mb 1,two", 2, "'two' in '1,two' is not a number"),
+    ("bench --cycle-ms 0", 2, "--cycle-ms 0: each value must be a finite number > 0"),
+    ("bench --only allreduce,model --sizes 4096", 2, "the cost model (--only model) is fitted to the allreduce"),
+    ("bench --only model", 2, "run it with --only allreduce,model and at least two --sizes"),
     # hvdkit plot: nothing to draw, or nowhere to draw it; never an empty or misnamed figure
     ("plot nohistory.json", 1, "nohistory.json holds no finished epoch"),
     ("plot badloss.json", 1, "badloss.json: history record 0 has no numeric 'loss'"),

@@ -48,6 +48,9 @@ PATHS: dict[str, dict[str, Any]] = {
 }
 
 
+WORKLOADS = ("mlp", "cnn", "gpt", "resnet18")  # the names workloads() knows
+
+
 def workloads(data: Path) -> dict[str, dict[str, Any]]:
     """The models: the two small built-ins, a 4.8M-parameter GPT and torchvision's ResNet-18."""
     models = REPO / "examples" / "models.py"

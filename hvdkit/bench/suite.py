@@ -73,6 +73,46 @@ class BenchConfig:
     slurm: bool = False           # also the srun paths, on the cluster this node submits to
     timeout_s: float = 900.0
 
+    def __post_init__(self) -> None:
+        """Everything that would fail after minutes of measuring fails here, in one line, before
+        anything runs or is written."""
+        from ..config import ConfigError
+        from ..models import MODELS
+        from .paths import PATHS, WORKLOADS
+
+        def refuse(what: str, hint: str) -> None:
+            raise ConfigError(what, hint)
+
+        unknown = [e for e in self.only if e not in EXPERIMENTS]
+        if unknown or not self.only:
+            refuse(f"--only {','.join(self.only)}: {', '.join(unknown) or 'nothing'} is not an experiment",
+                   f"use some of: {', '.join(EXPERIMENTS)}")
+        workers = [e for e in self.only if e not in ("paths", "ckpt", "overhead", "allreduce")]
+        bad = [m for m in self.models if m not in MODELS]
+        if workers and (bad or not self.models):
+            refuse(f"--models: {', '.join(bad) or 'none given'} is not a model the {'/'.join(workers)} "
+                   "experiments can build", f"use some of: {', '.join(MODELS)}")
+        bad = [m for m in self.path_models if m not in WORKLOADS]
+        if "paths" in self.only and (bad or not self.path_models):
+            refuse(f"--models: {', '.join(bad) or 'none given'} is not a model of the paths experiment",
+                   f"use some of: {', '.join(WORKLOADS)}")
+        bad = [p for p in self.paths if p not in PATHS]
+        if "paths" in self.only and (bad or not self.paths):
+            refuse(f"--paths: {', '.join(bad) or 'none given'} is not a launch path",
+                   f"use some of: {', '.join(PATHS)}")
+        for name, values, ok, bound, example in (
+                ("--sizes", self.sizes, lambda v: v >= 1, ">= 1 byte", "4096,65536"),
+                ("--world-sizes", self.world_sizes, lambda v: v >= 1, ">= 1", "1,2"),
+                ("--fusion-mb", self.fusion_mb, lambda v: v >= 0, ">= 0", "0,16,128"),
+                ("--bucket-mb", self.bucket_mb, lambda v: v > 0, "> 0", "4,25"),
+                ("--cycle-ms", self.cycle_ms, lambda v: v > 0, "> 0", "1,5")):
+            if not values or any(not (ok(v) and v < float("inf")) for v in values):
+                refuse(f"{name} {','.join(f'{v:g}' for v in values) or '(empty)'}: each value must be a finite "
+                       f"number {bound}", f"e.g. {name} {example}")
+        if "model" in self.only and ("allreduce" not in self.only or len(set(self.sizes)) < 2):
+            refuse("the cost model (--only model) is fitted to the allreduce experiment's times at two sizes "
+                   "or more", "run it with --only allreduce,model and at least two --sizes")
+
     @classmethod
     def quick(cls, **overrides: Any) -> BenchConfig:
         """The headline figure in under a minute on 2 cores: what ``hvdkit run --backend horovod``

@@ -10,12 +10,24 @@ import click
 from .common import FiniteFloat, config_option, translate_errors
 
 
-def _ints(text: str | None) -> tuple[int, ...] | None:
-    return tuple(int(float(x)) for x in text.split(",")) if text else None
-
-
-def _floats(text: str | None) -> tuple[float, ...] | None:
-    return tuple(float(x) for x in text.split(",")) if text else None
+def _numbers(text: str | None, option: str, kind: type) -> tuple[Any, ...] | None:
+    """``1,2,4`` as numbers of ``kind`` (a whole float such as 1e6 is an int); one-line error."""
+    if text is None:
+        return None
+    out = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+            if kind is int:
+                if not value.is_integer():
+                    raise ValueError
+                value = int(value)
+        except (ValueError, OverflowError):
+            what = "whole numbers" if kind is int else "numbers"
+            raise click.BadParameter(f"{item.strip()!r} in {text!r} is not a number: a comma list of {what}",
+                                     param_hint=option) from None
+        out.append(value)
+    return tuple(out)
 
 
 @click.command("bench")
@@ -67,9 +79,9 @@ def bench_command(quick: bool, out: str, only: str | None, models: str | None, *
             raise click.BadParameter(f"unknown: {', '.join(sorted(bad))}; use {', '.join(PATHS)}",
                                      param_hint="--paths")
     overrides["slurm"] = o["slurm"]
-    for key, conv in (("sizes", _ints), ("world_sizes", _ints), ("fusion_mb", _floats),
-                      ("bucket_mb", _floats), ("cycle_ms", _floats)):
-        value = conv(o[key])
+    for key, kind in (("sizes", int), ("world_sizes", int), ("fusion_mb", float), ("bucket_mb", float),
+                      ("cycle_ms", float)):
+        value = _numbers(o[key], "--" + key.replace("_", "-"), kind)
         if value is not None:
             overrides[key] = value
     for key in ("steps", "rounds", "ckpt_params_m", "overhead_epochs"):
@@ -79,5 +91,10 @@ def bench_command(quick: bool, out: str, only: str | None, models: str | None, *
         if o[key] is not None:
             overrides[f"reducer_{key}"] = o[key]
             overrides[f"path_{key}"] = o[key]
-    cfg = BenchConfig.quick(**overrides) if quick else BenchConfig(**overrides)
+    from ..errors import ConfigError
+
+    try:  # every value checked before anything is measured or written: a usage error (exit 2)
+        cfg = BenchConfig.quick(**overrides) if quick else BenchConfig(**overrides)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
     run_suite(cfg, log=click.echo)
