@@ -8,10 +8,12 @@ datasets, metrics and job scripts all go through it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +33,42 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+_SPECIAL = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+            (stat.S_ISSOCK, "a socket"))
+
+
+def _not_a_file_to_replace(target: Path, what: str) -> None:
+    """Refuse what no write of hvdkit's may replace, and a name no file system takes: every
+    write goes to a new file renamed over the target, so ``--metrics-file /dev/null`` would
+    put a regular file where the device was (as root, for every program)."""
+    from .errors import ConfigError
+
+    with contextlib.suppress(OSError):
+        mode = target.stat().st_mode
+        kind = next((name for test, name in _SPECIAL if test(mode)), None)
+        if kind:
+            raise ConfigError(f"{what} {target} is {kind}, not a file: hvdkit writes a new file and renames it "
+                              "into place, which would replace it", "name a regular file (or leave the option out)")
+    for part in target.parts:
+        size = len(os.fsencode(part))
+        if size > 255 - 16:  # NAME_MAX, less the room of the temporary file's ".tmp<pid>"
+            raise ConfigError(f"{what}: the name {part[:24]}... is {size} bytes, more than a file system takes",
+                              "choose a name of at most 200 bytes")
+
+
 def check_output_path(path: str | os.PathLike[str], what: str) -> Path:
     """A file the user named for hvdkit to write: its directory must exist (hvdkit does not
-    create directories for a typo to land in), and it must not be a directory itself."""
+    create directories for a typo to land in), and it must not be a directory itself, nor a
+    device or FIFO, nor a name too long to create."""
     from .errors import ConfigError
 
     out = Path(path)
+    _not_a_file_to_replace(out, what)
     if out.is_dir():
         raise ConfigError(f"{what} {path} is a directory", "name a file in it")
     if not out.parent.is_dir():
         raise ConfigError(f"{what} {path}: the directory {out.parent} does not exist", "create it first")
+    check_writable(out, what)  # /proc, read-only, no permission: now, not after the work
     return out
 
 
@@ -54,6 +82,7 @@ def check_writable(path: str | os.PathLike[str], what: str, directory: bool = Fa
     from .errors import ConfigError
 
     target = Path(path)
+    _not_a_file_to_replace(target, what)
     if not directory and target.is_dir():
         raise ConfigError(f"{what} {path} is a directory", "name a file")
     existing = target if directory else target.parent
@@ -80,6 +109,8 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, *, durable: bo
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    if path.exists() and not path.is_file() and not path.is_dir():  # never rename over a device or FIFO
+        raise OSError(errno.EEXIST, f"{path} exists and is not a regular file")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if check_space and shutil.disk_usage(path.parent).free < len(data) + SPACE_MARGIN:

@@ -161,7 +161,7 @@ CASES = [
     ("ckpt show .", 1, "has no 'latest' checkpoint pointer"),
     ("data check badlabel.h5 --model tiny", 1, "is outside model tiny's"),
     ("data check nan.h5", 1, "'x'[5] holds NaN/inf"),
-    ("data make-synthetic /proc/x.h5", 1, "cannot write dataset /proc/x.h5"),
+    ("data make-synthetic /proc/x.h5", 1, "make-synthetic /proc/x.h5 cannot be written"),
     ("data make-synthetic out.h5 --num-samples 0", 2, "--num-samples"),
     # a file hvdkit is told to write goes into a directory that exists: none is created for a typo
     ("data make-synthetic /nonexistent/dir/x.h5", 1, "the directory /nonexistent/dir does not exist"),
@@ -188,13 +188,27 @@ CASES = [
     ("bench --cycle-ms 0", 2, "--cycle-ms 0: each value must be a finite number > 0"),
     ("bench --only allreduce,model --sizes 4096", 2, "the cost model (--only model) is fitted to the allreduce"),
     ("bench --only model", 2, "run it with --only allreduce,model and at least two --sizes"),
+    # every command that writes a file or a directory: checked before anything runs (#44 item 5)
+    ("train --model tiny --metrics-file /dev/null", 2, "--metrics-file /dev/null is a character device, not a file"),
+    ("slurm -o /dev/null -- --model tiny", 2, "-o /dev/null is a character device, not a file"),
+    ("run --write-script /dev/null -np 2 -- --model tiny", 2, "--write-script /dev/null is a character device"),
+    ("ckpt export damaged.h5 /dev/null", 1, "OUT /dev/null is a character device"),
+    ("train --model tiny --metrics-file " + "m" * 300 + ".json", 2, "bytes, more than a file system takes"),
+    ("run --write-script /proc/x.sh -np 2 -- --model tiny", 2, "--write-script /proc/x.sh cannot be written"),
+    ("run --write-discovery-script /proc/x.sh", 2, "--write-discovery-script /proc/x.sh cannot be written"),
+    ("run --log-dir /proc -np 2 -- --model tiny", 2, "--log-dir /proc cannot be written"),
+    ("slurm --engine ray -o /proc/x.sbatch -- --model tiny", 2, "-o /proc/x.sbatch cannot be written"),
+    ("sweep ok-space.yaml --out /proc/sw", 2, "--out /proc/sw cannot be written"),
+    ("bench --out /proc/b", 2, "--out-dir /proc/b cannot be written"),
+    ("data import-digits /proc/d", 2, "DIRECTORY /proc/d cannot be written"),
+    ("data import-text /proc/d", 2, "DIRECTORY /proc/d cannot be written"),
     # hvdkit plot: nothing to draw, or nowhere to draw it; never an empty or misnamed figure
     ("plot nohistory.json", 1, "nohistory.json holds no finished epoch"),
     ("plot badloss.json", 1, "badloss.json: history record 0 has no numeric 'loss'"),
     ("plot good.json -o pfile", 1, "-o pfile: the figure's format comes from its suffix, and none is not one of"),
     ("plot good.json -o p.xyz", 1, ".xyz is not one of .png, .svg, .pdf"),
     ("plot good.json -o /nonexistent/dir/x.png", 1, "the directory /nonexistent/dir does not exist"),
-    ("plot good.json -o /proc/x.png", 1, "cannot write /proc/x.png"),
+    ("plot good.json -o /proc/x.png", 1, "-o /proc/x.png cannot be written"),
 ]
 
 
@@ -224,6 +238,7 @@ def inputs(tmp_path_factory):
     (d / "badspace.yaml").write_text("metric: final_loss\nfixed: {model: tiny}\n")
     (d / "unknown-key.yaml").write_text("grid: {lr: [0.1]}\nsearch: random\n")
     (d / "empty-grid.yaml").write_text("grid: {lr: []}\n")
+    (d / "ok-space.yaml").write_text("grid: {lr: [0.1]}\nfixed: {model: tiny, epochs: 1}\n")
     (d / "bad-mode.yaml").write_text("mode: best\ngrid: {lr: [0.1]}\n")
     (d / "broken.yaml").write_text("grid: {lr: [0.1\n")
     (d / "nohistory.json").write_text('{"history": []}')
@@ -281,6 +296,15 @@ def test_bad_input_is_one_short_error_and_writes_nothing(refusals, command, code
     assert 1 <= len(lines) <= 3 and "Traceback" not in proc.stderr, proc.stderr
     assert words in proc.stdout + proc.stderr
     assert after == before, "a refused command wrote a file"
+
+
+def test_dev_null_stays_a_device_whatever_is_refused():
+    """As root, one atomic write to --metrics-file /dev/null would have replaced the device."""
+    import stat
+
+    proc = subprocess.run([*HVDKIT, "train", "--model", "tiny", "--epochs", "1", "--metrics-file", "/dev/null"],
+                          env=base_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and stat.S_ISCHR(os.stat("/dev/null").st_mode), proc.stderr
 
 
 def test_no_directory_is_created_for_a_mistyped_output_path():

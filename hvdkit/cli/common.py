@@ -70,6 +70,18 @@ def usable_output_path(path: str | Path, flag: str) -> None:
         raise click.UsageError(str(exc)) from None
 
 
+def usable_output_dir(path: str | Path, flag: str) -> None:
+    """A directory the command will create or write into: writable (or creatable under the
+    nearest existing one), else a usage error (exit 2) naming ``flag``, before anything runs."""
+    from ..errors import ConfigError
+    from ..fileio import check_writable
+
+    try:
+        check_writable(path, flag, directory=True)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
 def config_option(f: Callable[..., Any]) -> Callable[..., Any]:
     """``--config FILE``: option defaults from YAML/TOML/JSON; flags on the command line win."""
     return click.option(

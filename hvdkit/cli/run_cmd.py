@@ -34,7 +34,7 @@ from ..launch.local import (
 from ..launch.output import run_with_log
 from ..launch.vocabulary import BACKEND_VAR, CONSOLE_TTY_VAR, IFACE_VAR, check_iface_name, iface_env
 from ..log import debug, diag
-from .common import config_option, ray_options, ray_spec, translate_errors, usable_output_path
+from .common import config_option, ray_options, ray_spec, translate_errors, usable_output_dir, usable_output_path
 from .validate import check_program, check_train_args, is_program
 
 
@@ -146,7 +146,10 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
     banners; a failed run ends with one 'Error:' line naming the cause and the
     log file that holds the whole output.
     """
+    if log_dir:
+        usable_output_dir(log_dir, "--log-dir")
     if write_discovery_script:
+        usable_output_path(write_discovery_script, "--write-discovery-script")
         path = write_text_atomic(write_discovery_script, render_discovery_script(slots), executable=True)
         click.echo(f"wrote {path}", err=True)
         return

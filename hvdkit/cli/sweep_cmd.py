@@ -15,7 +15,7 @@ import click
 from ..backends.traits import BACKENDS, DEFAULT_BACKEND, traits
 from ..errors import ConfigError
 from ..sweep import SCHEDULERS
-from .common import config_option, ray_options, ray_spec, translate_errors
+from .common import config_option, ray_options, ray_spec, translate_errors, usable_output_dir
 
 if TYPE_CHECKING:
     from ..rayrun.cluster import RaySpec
@@ -136,6 +136,7 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
             raise ConfigError("--nodes sizes the job of --engine ray --slurm", "add both, or drop --nodes")
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+    usable_output_dir(resume or out, "--resume" if resume else "--out")
     out_dir = Path(resume or out).resolve()
     if engine == "ray" and slurm and not collect:
         job_id = _submit_ray_sweep(out_dir, Path(space).resolve(), overrides, backend, np, parallel, nodes,
