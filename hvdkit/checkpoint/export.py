@@ -65,10 +65,11 @@ def _torch_dtype(leaf: Stored) -> str:
     return str(leaf.dataset.attrs.get("torch_dtype", leaf.dataset.dtype.name))
 
 
-def _raw(leaf: Stored) -> bytes:
-    """A tensor's bytes as stored (bf16 as its 16-bit pattern), its CRC checked."""
+def _raw(leaf: Stored) -> np.ndarray:
+    """A tensor's bytes as stored (bf16 as its 16-bit pattern), its CRC checked: a flat,
+    contiguous little-endian byte array, the one read (no copy of it, as tobytes() made)."""
     arr = leaf.read()
-    return np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+    return np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8)
 
 
 def _write_safetensors(out: Path, tensors: list[tuple[str, Stored]]) -> None:
@@ -85,7 +86,7 @@ def _write_safetensors(out: Path, tensors: list[tuple[str, Stored]]) -> None:
     with out.open("wb") as fh:
         fh.write(struct.pack("<Q", len(text)) + text)
         for _, leaf in tensors:
-            fh.write(_raw(leaf))
+            fh.write(_raw(leaf).data)
         fh.flush()
         os.fsync(fh.fileno())
 
@@ -132,7 +133,7 @@ def _write_torch(out: Path, tensors: list[tuple[str, Stored]]) -> None:
     writer.write_record("byteorder", b"little", len(b"little"))
     for k, (_, leaf) in enumerate(tensors):
         raw = _raw(leaf)
-        writer.write_record(f"data/{k}", raw, len(raw))
+        writer.write_record(f"data/{k}", raw.ctypes.data, raw.nbytes)  # from its memory, as torch.save does
         del raw
     writer.write_end_of_file()
 
