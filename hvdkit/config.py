@@ -118,8 +118,12 @@ def parse_compression(text: str) -> CompressionSpec:
             raise ConfigError(f"--compression {text}: {kind} takes no options", f"use --compression {kind}")
         return CompressionSpec(kind)
     values = dict(POWERSGD_DEFAULTS)
+    seen: set[str] = set()
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
+        if key in seen:  # which of the two was meant is not for hvdkit to guess
+            raise ConfigError(f"--compression {text}: {key} is given twice", f"give {key} once")
+        seen.add(key)
         if key not in values or not eq:
             raise ConfigError(f"--compression {text}: {item!r} is not an option of powersgd",
                               f"use powersgd:{','.join(f'{k}=N' for k in values)} (defaults "

@@ -29,6 +29,7 @@ def test_horovod_environment_mapping():
     (lambda: HorovodOptions(fusion_threshold_mb=-1), "fusion_threshold_mb must be >= 0"),
     (lambda: DDPOptions(bucket_cap_mb=0), "bucket_cap_mb must be > 0"),
     (lambda: DDPOptions(timeout_s=1e-9), "--ddp-timeout must be at least 1 second, got 1e-09"),
+    (lambda: DDPOptions(compression="powersgd:rank=2,rank=4"), "powersgd:rank=2,rank=4: rank is given twice"),
     (lambda: DDPOptions(timeout_s=float("nan")), "--ddp-timeout must be at least 1 second, got nan"),
     (lambda: TrainConfig(model="resnet"), "model 'resnet' is not known"),
     (lambda: TrainConfig(lr=0), "lr must be a finite number > 0"),
