@@ -298,6 +298,22 @@ def test_bad_input_is_one_short_error_and_writes_nothing(refusals, command, code
     assert after == before, "a refused command wrote a file"
 
 
+@pytest.mark.parametrize("command", ["run --dry-run -np 2 --backend ddp", "slurm -o x.sbatch", "run --write-script x.sh"])
+def test_training_values_from_the_environment_are_checked_when_the_command_is_made(command, tmp_path):
+    """HVDKIT_TRAIN_* reach the ranks as options (click's auto_envvar_prefix): a bad one is
+    refused, named, before a script is written or a job starts (#44 item 7)."""
+    for variable, value, words in (("HVDKIT_TRAIN_LR", "abc", "Invalid value for '--lr'"),
+                                   ("HVDKIT_TRAIN_EPOCHS", "0", "Invalid value for '--epochs'"),
+                                   ("HVDKIT_TRAIN_MODEL", "missing.py:net", "--model missing.py:net")):
+        proc = subprocess.run([*HVDKIT, *command.split(), "--", "--epochs", "1"] if variable != "HVDKIT_TRAIN_EPOCHS"
+                              else [*HVDKIT, *command.split(), "--"], cwd=tmp_path,
+                              env=base_env(**{variable: value}), capture_output=True, text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, (variable, proc.stderr)
+        assert variable in lines[0] and words in lines[0], lines  # named: the command line does not show it
+        assert not list(tmp_path.iterdir()), "a refused command wrote a file"
+
+
 def test_dev_null_stays_a_device_whatever_is_refused():
     """As root, one atomic write to --metrics-file /dev/null would have replaced the device."""
     import stat

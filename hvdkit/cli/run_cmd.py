@@ -32,7 +32,7 @@ from ..launch.local import (
     training_program,
 )
 from ..launch.output import run_with_log
-from ..launch.vocabulary import BACKEND_VAR, CONSOLE_TTY_VAR, IFACE_VAR, check_iface_name, iface_env
+from ..launch.vocabulary import BACKEND_VAR, CONSOLE_TTY_VAR, IFACE_VAR, check_iface_name, iface_env, train_env_var
 from ..log import debug, diag
 from .common import config_option, ray_options, ray_spec, translate_errors, usable_output_dir, usable_output_path
 from .validate import check_program, check_train_args, is_program
@@ -81,7 +81,7 @@ def shield_from_horovodrun(args: tuple[str, ...]) -> tuple[list[str], dict[str, 
         if param is None or not any(h.startswith(name) for h in theirs):
             kept.append(arg)
             continue
-        key = f"HVDKIT_TRAIN_{param.name.upper()}"
+        key = train_env_var(param.name)
         if getattr(param, "is_flag", False):
             env[key] = "0" if name in param.secondary_opts else "1"
         else:

@@ -49,17 +49,37 @@ def check_train_args(args: Sequence[str], where: str = "after '--'", backend: st
                 f"HINT: it is a scheduler option: use hvdkit's {SLURM_SPELLINGS[name]} before '--'")
     try:
         given = ["--backend", backend, *args] if backend else list(args)
-        ctx = train_command.make_context("hvdkit train", given, resilient_parsing=False)
+        # the ranks read HVDKIT_TRAIN_* too (the group's auto_envvar_prefix): so does this check
+        from ..launch.vocabulary import TRAIN_ENV_PREFIX
+
+        ctx = train_command.make_context("hvdkit train", given, resilient_parsing=False,
+                                         auto_envvar_prefix=TRAIN_ENV_PREFIX)
         cfg = build_train_config(ctx.params)
         check_import_paths(cfg)
         cfg.check_outputs()
     except click.NoSuchOption as exc:
         raise click.UsageError(_unknown_option(exc, where)) from None
     except click.UsageError as exc:
-        raise click.UsageError(f"training option {where}: {exc.format_message().rstrip('.')}. "
-                               "HINT: see 'hvdkit train --help'") from None
+        raise click.UsageError(f"training option {where}{_from_environment(exc)}: "
+                               f"{exc.format_message().rstrip('.')}. HINT: see 'hvdkit train --help'") from None
     except ConfigError as exc:
-        raise click.UsageError(f"training option {where}: {exc}") from None
+        raise click.UsageError(f"training option {where}{_from_environment(exc)}: {exc}") from None
+
+
+
+def _from_environment(exc: Exception) -> str:
+    """' (or HVDKIT_TRAIN_X in the environment)' when such variables are set: a value the
+    command line does not show may be the one refused."""
+    import os
+
+    from ..launch.vocabulary import TRAIN_ENV_PREFIX, train_env_var
+
+    param = getattr(exc, "param", None)
+    named = train_env_var(param.name) if param is not None and param.name else None
+    if named and named in os.environ:
+        return f" (from {named}={os.environ[named]!r} in the environment)"
+    found = sorted(k for k in os.environ if k.startswith(TRAIN_ENV_PREFIX + "_"))
+    return f" (or the environment's {', '.join(found[:3])})" if found else ""
 
 
 def check_import_paths(cfg: TrainConfig) -> None:

@@ -31,6 +31,7 @@ from .vocabulary import (
     ROOT_MPI_VARS,
     STOP_FILE_VAR,
     check_iface_name,
+    train_env_var,
 )
 
 __all__ = ["SlurmJob", "render_sbatch", "submit", "parse_time", "array_indices", "SRUN_MPI",
@@ -258,7 +259,7 @@ def _context(job: SlurmJob, template: str) -> dict[str, Any]:
     if job.elastic_min_nodes is not None:
         flags.append("--no-kill")  # a failed node must not end the job: the survivors go on
         if job.program[1:4] == ("-m", "hvdkit", "train"):
-            env.append(("HVDKIT_TRAIN_ELASTIC", "1"))  # not '--elastic': horovodrun would take it
+            env.append((train_env_var("elastic"), "1"))  # not '--elastic': horovodrun would take it
     return {
         "job": job, "version": __version__, "template": template,
         "directives": [(Raw(k), v) for k, v in directives],

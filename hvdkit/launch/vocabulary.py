@@ -58,6 +58,17 @@ IFACE_VAR = "HVDKIT_IFACE"
 # backend is told so in one line (hvdkit.backends.create_backend).
 BACKEND_VAR = "HVDKIT_BACKEND"
 
+# 'hvdkit train' reads any of its options from HVDKIT_TRAIN_<OPTION> (click's auto_envvar_prefix
+# under the 'hvdkit' group): how options horovodrun would swallow reach the ranks, and what the
+# render-time check of a script's training options reads too (hvdkit.cli.validate).
+TRAIN_ENV_PREFIX = "HVDKIT_TRAIN"
+
+
+def train_env_var(option_name: str) -> str:
+    """The variable 'hvdkit train' reads the option of parameter name ``option_name`` from."""
+    return f"{TRAIN_ENV_PREFIX}_{option_name.upper()}"
+
+
 # Variables mpirun must pass on with -x when they are set (srun and horovodrun pass the
 # whole environment). OMPI_MCA_* need no -x: mpirun forwards those itself.
 FORWARDED_VARS = (
