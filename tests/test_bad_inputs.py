@@ -202,6 +202,11 @@ CASES = [
     ("bench --out /proc/b", 2, "--out-dir /proc/b cannot be written"),
     ("data import-digits /proc/d", 2, "DIRECTORY /proc/d cannot be written"),
     ("data import-text /proc/d", 2, "DIRECTORY /proc/d cannot be written"),
+    # an option the chosen backend would ignore (#44 item 6)
+    ("slurm -o x.sbatch --backend ddp -- --hvd-reducer stock", 2,
+     "--hvd-reducer is an option of --backend horovod; --backend ddp would ignore it"),
+    ("run --dry-run --backend horovod -- --ddp-timeout 60", 2, "--ddp-timeout is an option of --backend ddp"),
+    ("train --backend local --compression fp16 --model tiny", 2, "--compression with --backend local"),
     # hvdkit plot: nothing to draw, or nowhere to draw it; never an empty or misnamed figure
     ("plot nohistory.json", 1, "nohistory.json holds no finished epoch"),
     ("plot badloss.json", 1, "badloss.json: history record 0 has no numeric 'loss'"),
@@ -312,6 +317,33 @@ def test_training_values_from_the_environment_are_checked_when_the_command_is_ma
         assert proc.returncode == 2 and len(lines) == 1, (variable, proc.stderr)
         assert variable in lines[0] and words in lines[0], lines  # named: the command line does not show it
         assert not list(tmp_path.iterdir()), "a refused command wrote a file"
+
+
+def test_every_option_of_one_backend_given_for_another_is_refused_when_the_script_is_made():
+    """#44 item 6: an option only one backend reads (BACKEND_ONLY, which build_train_config
+    follows) is one usage error under any other backend, at generation, naming both; under
+    its own backend it is accepted. The walk covers each such option of 'hvdkit train'."""
+    import click
+
+    from hvdkit.cli.train_cmd import BACKEND_ONLY, train_command
+    from hvdkit.cli.validate import check_train_args
+
+    params = {p.name: p for p in train_command.params}
+    for owner, names in BACKEND_ONLY.items():
+        for name in names:
+            param = params[name]
+            value = [] if param.is_flag else [param.type.choices[-1]] if isinstance(param.type, click.Choice) \
+                else ["2"]
+            given = [param.opts[0], *value]
+            check_train_args(given, backend=owner)  # its own backend takes it
+            for other in ("horovod", "ddp", "local"):
+                if other == owner:
+                    continue
+                with pytest.raises(click.UsageError) as info:
+                    check_train_args(given, backend=other)
+                said = info.value.format_message()
+                assert f"{param.opts[0]} is an option of --backend {owner}; --backend {other} would ignore it" \
+                    in said and "\n" not in said, said
 
 
 def test_dev_null_stays_a_device_whatever_is_refused():

@@ -42,6 +42,33 @@ BACKEND = {f.name: f.default for f in dataclasses.fields(BackendConfig) if f.def
 ENVIRONMENT_NAMES = ("auto", *ENVIRONMENTS)
 # options whose values are KEY=VALUE lists, read into the config's *_args mappings
 ARG_LISTS = {"model_args": "--model-arg", "dataset_args": "--dataset-arg", "optimizer_args": "--optimizer-arg"}
+# options that only one backend's section reads (build_train_config): given for another
+# backend they would do nothing, so they are refused
+BACKEND_ONLY = {
+    "horovod": ("hvd_reducer", "hvd_op", "predivide_factor", "fusion_threshold_mb", "cycle_time_ms",
+                "stall_check_s", "stall_shutdown_s"),
+    "ddp": ("gradient_as_bucket_view", "static_graph", "broadcast_buffers", "ddp_timeout", "environment"),
+}
+
+
+def check_given_options(ctx: click.Context) -> None:
+    """Refuse an option given on the command line (or in --config) that the chosen backend
+    would ignore: Horovod's knobs on DDP and the other way round, compression without
+    communication. One ConfigError naming the option and the backend that reads it."""
+    from click.core import ParameterSource
+
+    given = {p.name: p for p in ctx.command.params if p.name and ctx.get_parameter_source(p.name)
+             in (ParameterSource.COMMANDLINE, ParameterSource.DEFAULT_MAP)}
+    backend = ctx.params["backend"]
+    for owner, names in BACKEND_ONLY.items():
+        for name in names:
+            if owner != backend and name in given:
+                flag = given[name].opts[0]
+                raise ConfigError(f"{flag} is an option of --backend {owner}; --backend {backend} would ignore it",
+                                  f"drop {flag}, or use --backend {owner}")
+    if backend == "local" and "compression" in given and ctx.params["compression"] != "none":
+        raise ConfigError("--compression with --backend local: one plain process sends no gradients to compress",
+                          "drop --compression, or launch ranks with --backend horovod or ddp")
 
 
 
@@ -260,6 +287,7 @@ def usage_checked(options: dict[str, Any]) -> TrainConfig:
     from ..factories import resolve
 
     try:
+        check_given_options(click.get_current_context())
         cfg = build_train_config(options)
         if cfg.model_args and ":" not in cfg.model:
             from ..models import check_builtin_args

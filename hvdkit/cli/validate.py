@@ -39,7 +39,7 @@ def is_program(args: Sequence[str]) -> bool:
 def check_train_args(args: Sequence[str], where: str = "after '--'", backend: str | None = None) -> None:
     """Parse ``args`` exactly as ``hvdkit train`` will on the nodes (after ``--backend backend``,
     as the launched command has it); raise a UsageError now."""
-    from .train_cmd import build_train_config, train_command
+    from .train_cmd import build_train_config, check_given_options, train_command
 
     for arg in args:
         name = arg.split("=", 1)[0]
@@ -54,6 +54,7 @@ def check_train_args(args: Sequence[str], where: str = "after '--'", backend: st
 
         ctx = train_command.make_context("hvdkit train", given, resilient_parsing=False,
                                          auto_envvar_prefix=TRAIN_ENV_PREFIX)
+        check_given_options(ctx)
         cfg = build_train_config(ctx.params)
         check_import_paths(cfg)
         cfg.check_outputs()
