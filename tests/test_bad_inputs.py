@@ -49,7 +49,8 @@ CASES = [
     ("slurm -o x.sbatch -- --model missing.py:net --data tiny.h5", 2, "file missing.py does not exist"),
     ("slurm -o x.sbatch -- --model factories.py:nope --data tiny.h5", 2, "factories.py defines no 'nope'"),
     ("slurm -o x.sbatch -- --lr nan", 2, "Invalid value for '--lr': 'nan' is not a finite number"),
-    ("slurm -o x.sbatch -- --backend ddp --ddp-timeout 1e-9", 2, "'--ddp-timeout': 1e-09 is not in the range finite, x>=1"),
+    ("slurm -o x.sbatch -- --backend ddp --ddp-timeout 1e-9", 2,
+     "'--ddp-timeout': 1e-09 is not in the range finite, x>=1"),
     ("slurm -o x.sbatch -- --compression powersgd:rank=0", 2, "--compression powersgd:rank=0: rank must be >= 1"),
     ("slurm -o x.sbatch -- --compression powersgd --elastic", 2, "--compression powersgd cannot be combined "
      "with --elastic"),
@@ -303,7 +304,8 @@ def test_bad_input_is_one_short_error_and_writes_nothing(refusals, command, code
     assert after == before, "a refused command wrote a file"
 
 
-@pytest.mark.parametrize("command", ["run --dry-run -np 2 --backend ddp", "slurm -o x.sbatch", "run --write-script x.sh"])
+@pytest.mark.parametrize("command", ["run --dry-run -np 2 --backend ddp", "slurm -o x.sbatch",
+                                     "run --write-script x.sh"])
 def test_training_values_from_the_environment_are_checked_when_the_command_is_made(command, tmp_path):
     """HVDKIT_TRAIN_* reach the ranks as options (click's auto_envvar_prefix): a bad one is
     refused, named, before a script is written or a job starts (#44 item 7)."""
