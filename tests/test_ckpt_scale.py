@@ -125,9 +125,15 @@ def test_verify_and_export_of_a_large_checkpoint_hold_one_tensor_at_a_time(tmp_p
     assert st.returncode == 0 == pt.returncode, st.stderr + pt.stderr
     print(f"file {size >> 20} MiB; peak RSS: verify {verify_peak >> 20} MiB, export safetensors "
           f"{st_peak >> 20} MiB, torch {pt_peak >> 20} MiB")
-    largest = numel * 4
-    assert verify_peak < 64 * 2**20 + 4 * largest and st_peak < 64 * 2**20 + 4 * largest  # python + h5py + 4 tensors
-    assert pt_peak < 300 * 2**20 + 4 * largest  # torch itself is about 230 MiB
+    # against the floor measured here, in the same run: the interpreter with what each command
+    # imports (a fresh CI venv's floor was 45-65 MiB above a developer's, and the absolute
+    # bounds this test had failed there by 5 MiB)
+    _, floor = _peak_rss([sys.executable, "-c", "import h5py, numpy, click, hvdkit.cli, hvdkit.checkpoint"])
+    _, torch_floor = _peak_rss([sys.executable, "-c", "import torch, h5py, click, hvdkit.cli, hvdkit.checkpoint"])
+    print(f"floors: {floor >> 20} MiB, with torch {torch_floor >> 20} MiB")
+    largest, slack = numel * 4, 16 * 2**20
+    assert verify_peak - floor < 4 * largest + slack and st_peak - floor < 4 * largest + slack  # a few tensors
+    assert pt_peak - torch_floor < 4 * largest + slack  # the 1 GiB file is 43 such tensors
     loaded, state = load_file(str(out_st)), torch.load(out_pt, weights_only=True, mmap=True)
     assert list(loaded) == list(state) == list(names)
     for name in ("layers.0.weight", "layers.4.weight", "layers.47.weight"):

@@ -35,7 +35,7 @@ USERBLOCK = 512
 MAGIC = b"hvdkit-checkpoint 2\n"  # the header's version, not the layout's (format_version)
 MAGIC_FILE = b"hvdkit-checkpoint 3\n"  # the same header, sealed on disk (format 4)
 BLOCK = 8 << 20  # bytes read at a time to hash a file
-AHEAD = 3  # blocks read ahead of the hash
+AHEAD = 1  # blocks read ahead of the hash (3 measured 7% faster cold, for 16 MiB more)
 
 
 class HeaderError(ValueError):
@@ -51,7 +51,7 @@ def _file_digest(fd: int, start: int) -> tuple[int, str]:
 
     A thread reads the next blocks while this one hashes (both let go of the GIL): a cold
     read and the hash take about as long each, and in turn they took twice as long (the
-    restore's largest cost). Memory: :data:`AHEAD` + 1 blocks."""
+    restore's largest cost). Memory: :data:`AHEAD` + 2 blocks."""
     blocks: queue.Queue[bytes | BaseException] = queue.Queue(maxsize=AHEAD)
 
     def read() -> None:
