@@ -109,10 +109,10 @@ def _rows(path: Path | None) -> tuple[list[dict[str, Any]], dict[str, list[str]]
     if path is None:
         return None
     try:
-        mode = path.stat().st_mode
-        if not stat.S_ISREG(mode):  # a FIFO would block the read; a directory cannot be read
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):  # a FIFO would block the read; a directory cannot be read
             raise ValueError("it is not a regular file")
-        if path.stat().st_size > MAX_BYTES:
+        if info.st_size > MAX_BYTES:
             raise ValueError(f"it is over {MAX_BYTES >> 20} MiB, which no bench writes")
         return _checked(json.loads(path.read_text()))
     except FileNotFoundError:
