@@ -397,6 +397,15 @@ class TrainConfig:
         """Validation data is named (a --dataset factory may bring its own: checked at set-up)."""
         return bool(self.val_data) or self.val_fraction > 0 or bool(self.dataset)
 
+    def epoch_metrics(self) -> tuple[str, ...] | None:
+        """The names each epoch's record holds (what --keep-best and a sweep's metric may name):
+        the training ones, and ``val_`` + the task's with validation data; None for a task of
+        your own, whose names are known only at its first evaluation."""
+        if self.task not in TASK_METRICS:
+            return None
+        held_out = tuple(f"val_{m}" for m in TASK_METRICS[self.task] if m != "count") if self.has_validation else ()
+        return (*EPOCH_METRICS, *held_out)
+
     def import_paths(self) -> list[tuple[str, dict[str, Any], str, int]]:
         """``(value, args, option, skip)`` of every object this run names by import path (model,
         dataset, task, optimizer): what the CLI checks before anything runs. ``skip``: leading
@@ -449,11 +458,10 @@ class TrainConfig:
             if best[0].startswith("val_") and not self.has_validation:
                 raise ConfigError(f"--keep-best {best[0]} needs validation data",
                                   "add --val-data FILE or --val-fraction F")
-            if self.task in TASK_METRICS:  # a task of your own: checked at its first evaluation
-                known = [*EPOCH_METRICS, *(f"val_{m}" for m in TASK_METRICS[self.task] if m != "count")]
-                if best[0] not in known:
-                    raise ConfigError(f"--keep-best {best[0]} is never produced: the {self.task} task's "
-                                      f"epochs report {', '.join(known)}", "name one of them, e.g. val_loss")
+            known = self.epoch_metrics()  # None: a task of your own, checked at its first evaluation
+            if known is not None and best[0] not in known:
+                raise ConfigError(f"--keep-best {best[0]} is never produced: the {self.task} task's "
+                                  f"epochs report {', '.join(known)}", "name one of them, e.g. val_loss")
         if self.model not in MODEL_NAMES and not self.data and not self.dataset:
             # said here, so when a script is generated too, not by every rank after the launch
             raise ConfigError(f"--model {self.model} needs data: synthetic data exists only for the built-in "

@@ -34,13 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from .asha import AshaConfig, write_config
-from .errors import ConfigError
+from .errors import ConfigError, first_line
 
-__all__ = ["SweepSpec", "load_space", "expand_trials", "trial_args", "trial_command", "write_trials",
+__all__ = ["SweepSpec", "load_space", "expand_trials", "probe_trials", "trial_args", "trial_command", "write_trials",
            "run_local", "collect_results", "results_table", "sweep_status", "budget_used"]
 
 
 SCHEDULERS = ("none", "asha", "pbt")
+SPEC_FILE = "spec.json"  # in a sweep's --out: the space it was started with
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class SweepSpec:
     perturb: list[str] = field(default_factory=lambda: ["lr"])  # pbt: the keys it explores
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         if self.mode not in ("min", "max"):
             raise ConfigError(f"mode {self.mode!r} is not min or max", "set mode: min or mode: max")
         if bool(self.grid) == bool(self.random):
@@ -99,6 +101,75 @@ class SweepSpec:
         return AshaConfig(budget=budget, eta=self.eta, grace=self.grace, mode=self.mode, metric=self.metric)
 
 
+_OPTION_NAME = re.compile(r"[a-z][a-z0-9_]*")
+DISTRIBUTIONS = ("uniform", "loguniform", "int")
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_fields(spec: SweepSpec) -> None:
+    """The space file's own fields have the types and ranges they need: every mistake in them is
+    one ConfigError now, never a traceback in a trial or in Ray."""
+    for name in ("metric", "mode", "scheduler"):
+        if not isinstance(getattr(spec, name), str):
+            raise ConfigError(f"{name}: {getattr(spec, name)!r} is not a string", "see hvdkit sweep --help")
+    for name, low in (("eta", 2), ("grace", 1)):
+        value = getattr(spec, name)
+        if not _whole(value) or value < low:
+            raise ConfigError(f"{name}: {value!r} is not a whole number >= {low}", f"e.g. {name}: {max(low, 3)}"
+                              if name == "eta" else f"e.g. {name}: 1")
+    for section in ("fixed", "grid", "random"):
+        if not isinstance(getattr(spec, section), dict):
+            raise ConfigError(f"{section}: must be a mapping, got {getattr(spec, section)!r}",
+                              f"e.g. {section}: {{lr: ...}}" if section != "random"
+                              else "e.g. random: {trials: 8, seed: 0, params: {lr: {loguniform: [1.0e-4, 0.1]}}}")
+    if spec.random:
+        extra = set(spec.random) - {"trials", "seed", "params"}
+        if extra:
+            raise ConfigError(f"random: has unknown key(s) {', '.join(sorted(map(str, extra)))}",
+                              "random: takes trials, seed and params")
+        for name, low in (("trials", 1), ("seed", 0)):
+            value = spec.random.get(name, 0 if name == "seed" else 8)
+            if not _whole(value) or value < low:
+                raise ConfigError(f"random: {name}: {value!r} is not a whole number >= {low}",
+                                  f"e.g. random: {{{name}: {8 if name == 'trials' else 0}}}")
+        params = spec.random.get("params")
+        if not isinstance(params, dict) or not params:
+            raise ConfigError("random: needs params, a mapping of option to distribution",
+                              "e.g. params: {lr: {loguniform: [1.0e-4, 0.1]}, optimizer: [sgd, adam]}")
+        for key, dist in params.items():
+            check_distribution(key, dist)
+    for where, names in (("fixed", spec.fixed), ("grid", spec.grid), ("random: params", spec.random.get("params", {}))):
+        for key in names:
+            if not isinstance(key, str) or not _OPTION_NAME.fullmatch(key):
+                raise ConfigError(f"{where}: {key!r} is not an option name",
+                                  "use hvdkit train's option names with _ for -, e.g. batch_size")
+
+
+def check_distribution(key: str, dist: Any) -> None:
+    """A random space's entry: a non-empty list of choices, or one of ``{uniform|loguniform: [lo, hi]}``
+    (numbers, lo < hi, loguniform above 0) or ``{int: [lo, hi]}`` (whole numbers, lo <= hi)."""
+    hint = "use a list of choices, {uniform: [a, b]}, {loguniform: [a, b]} (a > 0) or {int: [a, b]}"
+    if isinstance(dist, list):
+        if not dist:
+            raise ConfigError(f"random: params: {key} is an empty list of choices", hint)
+        return
+    if not (isinstance(dist, dict) and len(dist) == 1 and next(iter(dist)) in DISTRIBUTIONS):
+        raise ConfigError(f"random: params: {key}: cannot sample {dist!r}", hint)
+    (kind, bounds), = dist.items()
+    number = _whole if kind == "int" else (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                                           and math.isfinite(v))
+    if not (isinstance(bounds, list) and len(bounds) == 2 and all(number(b) for b in bounds)):
+        raise ConfigError(f"random: params: {key}: {kind} takes two {'whole ' if kind == 'int' else ''}numbers "
+                          f"[low, high], got {bounds!r}", hint)
+    lo, hi = bounds
+    if (lo > hi if kind == "int" else lo >= hi) or (kind == "loguniform" and lo <= 0):
+        raise ConfigError(f"random: params: {key}: {kind} [{lo}, {hi}] is not a range"
+                          + (" above 0" if kind == "loguniform" else ""), hint)
+
+
 def load_space(path: str | os.PathLike[str]) -> SweepSpec:
     """Parse and validate a YAML space file."""
     import yaml
@@ -111,6 +182,9 @@ def load_space(path: str | os.PathLike[str]) -> SweepSpec:
     if not isinstance(data, dict):
         raise ConfigError(f"sweep space {path} must be a mapping of metric, grid/random, fixed, ...",
                           "see hvdkit sweep --help")
+    if not all(isinstance(k, str) for k in data):
+        raise ConfigError(f"sweep space {path} has a key that is not a name: "
+                          f"{next(k for k in data if not isinstance(k, str))!r}", "see hvdkit sweep --help")
     keys = {"metric", "mode", "fixed", "grid", "random", "scheduler", "eta", "grace", "perturb"}
     unknown = set(data) - keys
     if unknown:
@@ -120,17 +194,15 @@ def load_space(path: str | os.PathLike[str]) -> SweepSpec:
 
 
 def _sample(dist: Any, rng: random.Random) -> Any:
+    """One draw from an entry :func:`check_distribution` accepted."""
     if isinstance(dist, list):
         return rng.choice(dist)
-    if isinstance(dist, dict) and len(dist) == 1:
-        (kind, (lo, hi)), = dist.items()
-        if kind == "uniform":
-            return rng.uniform(lo, hi)
-        if kind == "loguniform":
-            return math.exp(rng.uniform(math.log(lo), math.log(hi)))
-        if kind == "int":
-            return rng.randint(lo, hi)
-    raise ConfigError(f"cannot sample {dist!r}", "use a list, {uniform: [a, b]}, {loguniform: [a, b]} or {int: [a, b]}")
+    (kind, (lo, hi)), = dist.items()
+    if kind == "uniform":
+        return rng.uniform(lo, hi)
+    if kind == "loguniform":
+        return math.exp(rng.uniform(math.log(lo), math.log(hi)))
+    return rng.randint(lo, hi)
 
 
 def expand_trials(spec: SweepSpec) -> list[dict[str, Any]]:
@@ -139,11 +211,51 @@ def expand_trials(spec: SweepSpec) -> list[dict[str, Any]]:
         keys = list(spec.grid)
         return [dict(zip(keys, values)) for values in itertools.product(*(spec.grid[k] for k in keys))]
     rng = random.Random(spec.random.get("seed", 0))
-    trials = int(spec.random.get("trials", 8))
-    params = spec.random.get("params", {})
-    if trials < 1 or not params:
-        raise ConfigError("random sweeps need trials >= 1 and params", "add random: {trials: N, params: {...}}")
+    trials = spec.random.get("trials", 8)
+    params = spec.random["params"]  # both checked by SweepSpec
     return [{k: _sample(v, rng) for k, v in params.items()} for _ in range(trials)]
+
+
+# lr set only in fixed: the range PBT explores it over (log scale), as Tune's PBT examples do
+PBT_LR_RANGE = (1e-5, 1.0)
+
+
+def perturb_ranges(spec: SweepSpec) -> dict[str, list[Any] | tuple[str, float, float]]:
+    """Where PBT may move each ``perturb:`` key, within its type: a grid key or a random choice
+    stays among the listed values (a list); a ``{uniform|loguniform|int: [lo, hi]}`` key stays in
+    its range, an int whole (``(kind, lo, hi)``); ``lr`` set only in ``fixed:`` moves over
+    :data:`PBT_LR_RANGE`. A key the space gives one value and no range is a ConfigError."""
+    params = spec.random.get("params", {})
+    out: dict[str, list[Any] | tuple[str, float, float]] = {}
+    for key in spec.perturb:
+        where = spec.grid.get(key, params.get(key))
+        if isinstance(where, list):
+            out[key] = list(where)
+        elif isinstance(where, dict):
+            (kind, (lo, hi)), = where.items()
+            out[key] = (kind, lo, hi)
+        elif key == "lr" and key in spec.fixed:
+            out[key] = ("loguniform", *PBT_LR_RANGE)
+        else:
+            said = "gives it one value (fixed:) and no range" if key in spec.fixed else "does not set it"
+            raise ConfigError(f"scheduler: pbt cannot perturb {key}: the space {said}",
+                              f"list its values in grid: or give it a range in random: params: "
+                              f"(e.g. {key}: {{uniform: [a, b]}}), or drop it from perturb:")
+        if isinstance(out[key], list) and len(out[key]) < 2:
+            raise ConfigError(f"scheduler: pbt cannot perturb {key}: the space lists one value for it",
+                              f"list two or more, or drop {key} from perturb:")
+    return out
+
+
+def probe_trials(spec: SweepSpec, trials: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """What to check before any trial runs, each with a label naming it: every trial, and for a
+    random space every value a draw could give a key (each choice, both bounds) with trial 0's
+    other values: a bad choice or bound is found even when this seed did not draw it."""
+    out = [(f"trial {i} {params}", params) for i, params in enumerate(trials)]
+    for key, dist in spec.random.get("params", {}).items():
+        values = dist if isinstance(dist, list) else next(iter(dist.values()))
+        out += [(f"random: params: {key}: {value!r}", {**trials[0], key: value}) for value in values]
+    return out
 
 
 def trial_args(params: dict[str, Any]) -> list[str]:
@@ -179,8 +291,22 @@ def write_trials(out: Path, spec: SweepSpec) -> list[dict[str, Any]]:
         (out / "trials" / f"trial-{i:03d}.json").write_text(json.dumps({"trial": i, "params": params}) + "\n")
         lines.append(" ".join(shlex.quote(a) for a in trial_command(out, spec, i, params)))
     (out / "params.txt").write_text("\n".join(lines) + "\n")
-    (out / "spec.json").write_text(json.dumps(dataclasses.asdict(spec), indent=2) + "\n")
+    (out / SPEC_FILE).write_text(json.dumps(dataclasses.asdict(spec), indent=2) + "\n")
     return trials
+
+
+def read_spec(out: Path) -> SweepSpec:
+    """The space a sweep in ``out`` (its --out) was started with; a ConfigError when ``out``
+    holds none or its file is damaged."""
+    path = out / SPEC_FILE
+    try:
+        saved = json.loads(path.read_text())
+        return SweepSpec(**saved)
+    except FileNotFoundError:
+        raise ConfigError(f"{out} holds no sweep (no {SPEC_FILE})", "pass the --out of 'hvdkit sweep'") from None
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(f"{path} is damaged ({first_line(exc)})",
+                          "the sweep's own record cannot be read; start the sweep again in a new --out") from None
 
 
 def run_local(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend: str, np: int,
@@ -229,7 +355,10 @@ def collect_results(out: Path, spec: SweepSpec) -> list[dict[str, Any]]:
         data = json.loads(path.read_text()) if path else {}
         curve = metric_curve(data, spec.metric)
         status = data.get("status", "completed") if path else "failed"
-        rows.append({"trial": t["trial"], "params": t["params"], "status": status, "epochs": len(curve),
+        # a PBT trial's results name what it trained with at the end (another trial's
+        # perturbed values after an exploit), not what the space started it with
+        rows.append({"trial": t["trial"], "params": data.get("params", t["params"]), "status": status,
+                     "epochs": len(curve),
                      spec.metric: data.get(spec.metric) if path else None, "curve": curve,
                      "file": str(path) if path else None})
     return rows
@@ -275,7 +404,7 @@ def results_table(rows: list[dict[str, Any]], spec: SweepSpec) -> str:
 
 def sweep_status(out: Path) -> str:
     """Progress of a (possibly running) sweep: one line per trial from what is on disk."""
-    spec = SweepSpec(**json.loads((out / "spec.json").read_text()))
+    spec = read_spec(out)
     rows = collect_results(out, spec)
     decided: dict[int, list[dict[str, Any]]] = {}
     for path in sorted((out / "asha" / "decisions").glob("trial-*.json")):

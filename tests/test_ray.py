@@ -202,10 +202,13 @@ def test_ray_refusals_are_one_line_before_anything_runs(head, tmp_path):
     assert "pip install 'hvdkit[ray]'" in hidden.stderr
 
 
-def _space(tmp_path: Path, digits: Path, name: str, body: str, epochs: int = 3) -> Path:
+def _space(tmp_path: Path, digits: Path, name: str, body: str, epochs: int = 3, relative: bool = False) -> Path:
+    """A digits space; ``relative``: its model and data paths relative to ``tmp_path`` (run the
+    sweep there), as a user writes them."""
     path = tmp_path / name
-    path.write_text(f"metric: val_accuracy\nmode: max\nfixed: {{model: {MODELS}:digits_cnn, data: {digits}/train.h5, "
-                    f"val_data: {digits}/val.h5, batch_size: 32, optimizer: adamw, epochs: {epochs}}}\n{body}")
+    models, data = (os.path.relpath(p, tmp_path) for p in (MODELS, digits)) if relative else (MODELS, digits)
+    path.write_text(f"metric: val_accuracy\nmode: max\nfixed: {{model: {models}:digits_cnn, data: {data}/train.h5, "
+                    f"val_data: {data}/val.h5, batch_size: 32, optimizer: adamw, epochs: {epochs}}}\n{body}")
     return path
 
 
@@ -230,14 +233,16 @@ def test_tune_asha_prunes_bad_trials_and_picks_the_best_on_val_accuracy(head, di
 @pytest.mark.mp
 @pytest.mark.timeout(600)  # measured 36-39 s on 2 cores (3 runs)
 def test_tune_pbt_exploits_by_copying_a_better_trials_checkpoint(head, digits, tmp_path):
+    # paths relative to the working directory, as on the local engine (Tune moves each trial
+    # into a directory of its own; the ranks start in the driver's)
     space = _space(tmp_path, digits, "pbt.yaml", "grid: {lr: [0.003, 0.00001]}\n"
-                   "scheduler: pbt\ngrace: 1\nperturb: [lr]\n")
+                   "scheduler: pbt\ngrace: 1\nperturb: [lr]\n", relative=True)
     # a good and a bad trial, room for one at a time (3 of the head's 5 CPUs): PBT takes turns (a
     # trial pauses at each epoch while the other runs), so at epoch 2 both have a score and the
     # good one (the upper half) a recorded checkpoint when the bad one asks to exploit; trials side
     # by side race past that point. One rank a trial keeps the restarts cheap.
-    proc = hvdkit("sweep", "run", str(space), "--engine", "ray", "-np", "1", "-c", "3", "--ray-address", head,
-                  "--out", str(tmp_path / "out"), timeout=800)
+    proc = hvdkit("sweep", "run", space.name, "--engine", "ray", "-np", "1", "-c", "3", "--ray-address", head,
+                  "--out", "out", timeout=800, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "tune-summary.json").read_text())
     assert summary["exploits"], summary
@@ -247,6 +252,10 @@ def test_tune_pbt_exploits_by_copying_a_better_trials_checkpoint(head, digits, t
     assert f"tune: restored from trial {first['from']}'s checkpoint" in log and "resumed from" in log
     rows = json.loads((tmp_path / "out" / "results.json").read_text())
     assert all(r["status"] == "completed" for r in rows), rows
+    # the table names what each trial trained with at the end: the exploiter's perturbed lr,
+    # one of the space's values (a grid key stays among the grid's)
+    trained = json.loads((tmp_path / "out" / "checkpoints" / f"trial-{first['trial']:03d}" / "params.json").read_text())
+    assert rows[first["trial"]]["params"] == trained and trained["lr"] in (0.003, 0.00001), (rows, trained)
 
 
 @pytest.mark.mp

@@ -58,8 +58,6 @@ def sweep_status_command(directory: str) -> None:
     """Progress of the sweep in DIRECTORY (its --out): each trial's status, epochs, rungs."""
     from ..sweep import sweep_status
 
-    if not (Path(directory) / "spec.json").is_file():
-        raise click.ClickException(f"{directory} holds no sweep (no spec.json); pass the --out of 'hvdkit sweep'")
     click.echo(sweep_status(Path(directory)), nl=False)
 
 
@@ -107,7 +105,16 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
     """Run the trials of the grid/random SPACE (YAML); print a results table and the best trial."""
     from ..launch.local import training_program
     from ..launch.slurm import SlurmJob, render_sbatch, submit
-    from ..sweep import best_trial, collect_results, load_space, plot_results, results_table, run_local, write_trials
+    from ..sweep import (
+        best_trial,
+        collect_results,
+        load_space,
+        plot_results,
+        read_spec,
+        results_table,
+        run_local,
+        write_trials,
+    )
 
     try:  # before anything is written: every mistake in the space is a usage error
         if slurm or np > 1:
@@ -117,8 +124,11 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
         if overrides:
             spec = dataclasses.replace(spec, **overrides)  # type: ignore[arg-type]  # validated again
         from ..sweep import expand_trials
+        from .validate import check_sweep_trials
 
-        expand_trials(spec)  # a random space's distributions, sampled once now
+        # every trial (and every value a random space could draw) as hvdkit train will parse
+        # and check it: a bad value is one line now, not a failed trial in the results table
+        check_sweep_trials(spec, expand_trials(spec), backend)
         if engine == "ray":
             from ..rayrun.tune import check_ray_sweep
             from ..rayrun.workers import ray_backend
@@ -138,6 +148,11 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
         raise click.UsageError(str(exc)) from None
     usable_output_dir(resume or out, "--resume" if resume else "--out")
     out_dir = Path(resume or out).resolve()
+    if collect:
+        try:
+            read_spec(out_dir)
+        except ConfigError as exc:
+            raise click.UsageError(f"--collect: {exc}") from None
     if engine == "ray" and slurm and not collect:
         job_id = _submit_ray_sweep(out_dir, Path(space).resolve(), overrides, backend, np, parallel, nodes,
                                    cpus_per_task, gpus_per_task, ray_placement, max_failures, time_limit,
@@ -235,14 +250,16 @@ def _sweep_on_ray(out_dir: Path, spec: SweepSpec, backend: str, ray: RaySpec, re
     from ..preemption import EXIT_PREEMPTED
     from ..rayrun.cluster import connect
     from ..rayrun.tune import run_tune
-    from ..sweep import SweepSpec, expand_trials, write_trials
+    from ..sweep import expand_trials, read_spec, write_trials
 
     if resume:
-        saved = json.loads((out_dir / "spec.json").read_text()) if (out_dir / "spec.json").exists() else None
-        if saved is None or not (out_dir / "tune").is_dir():
-            raise click.UsageError(f"{out_dir} holds no Ray sweep to resume (no spec.json and tune/). "
+        if not (out_dir / "tune").is_dir():
+            raise click.UsageError(f"{out_dir} holds no Ray sweep to resume (no tune/). "
                                    "HINT: pass the --out of an earlier 'hvdkit sweep --engine ray'")
-        spec = SweepSpec(**saved)
+        try:
+            spec = read_spec(out_dir)
+        except ConfigError as exc:
+            raise click.UsageError(f"--resume: {exc}") from None
         trials = expand_trials(spec)
     else:
         trials = write_trials(out_dir, spec)

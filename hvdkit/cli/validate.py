@@ -13,6 +13,7 @@ import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -20,7 +21,11 @@ from ..config import TrainConfig
 from ..errors import ConfigError
 from ..launch.slurm import array_indices
 
-__all__ = ["check_program", "check_train_args", "check_array_params", "check_import_paths", "is_program"]
+if TYPE_CHECKING:
+    from ..sweep import SweepSpec
+
+__all__ = ["check_program", "check_train_args", "check_sweep_trials", "check_array_params", "check_import_paths",
+           "is_program"]
 
 # Slurm's own spellings that users type after '--' out of habit: where they belong instead
 SLURM_SPELLINGS = {
@@ -36,9 +41,9 @@ def is_program(args: Sequence[str]) -> bool:
     return bool(args) and not args[0].startswith("-")
 
 
-def check_train_args(args: Sequence[str], where: str = "after '--'", backend: str | None = None) -> None:
+def check_train_args(args: Sequence[str], where: str = "after '--'", backend: str | None = None) -> TrainConfig:
     """Parse ``args`` exactly as ``hvdkit train`` will on the nodes (after ``--backend backend``,
-    as the launched command has it); raise a UsageError now."""
+    as the launched command has it); raise a UsageError now. Returns the run's config."""
     from .train_cmd import build_train_config, check_given_options, train_command
 
     for arg in args:
@@ -58,6 +63,7 @@ def check_train_args(args: Sequence[str], where: str = "after '--'", backend: st
         cfg = build_train_config(ctx.params)
         check_import_paths(cfg)
         cfg.check_outputs()
+        return cfg
     except click.NoSuchOption as exc:
         raise click.UsageError(_unknown_option(exc, where)) from None
     except click.UsageError as exc:
@@ -66,6 +72,30 @@ def check_train_args(args: Sequence[str], where: str = "after '--'", backend: st
     except ConfigError as exc:
         raise click.UsageError(f"training option {where}{_from_environment(exc)}: {exc}") from None
 
+
+
+def check_sweep_trials(spec: SweepSpec, trials: list[dict[str, Any]], backend: str) -> None:
+    """Every trial of a sweep parses and passes ``hvdkit train``'s checks, and reports the
+    sweep's metric, before the first one runs (both engines, and a Slurm array); so does every
+    value a random space could draw or PBT could move to (each choice and both bounds)."""
+    from ..sweep import probe_trials, trial_args
+
+    metric = "loss" if spec.metric == "final_loss" else spec.metric
+    seen: set[tuple[str, ...]] = set()
+    for label, params in probe_trials(spec, trials):
+        args = trial_args({**spec.fixed, **params})
+        if tuple(args) in seen:
+            continue
+        seen.add(tuple(args))
+        cfg = check_train_args(args, where=f"in {label}", backend=backend)
+        known = cfg.epoch_metrics()
+        if metric.startswith("val_") and not cfg.has_validation:
+            raise click.UsageError(f"metric {spec.metric} needs validation data, which {label} has none of. "
+                                   "HINT: add val_fraction: 0.1 or val_data: FILE to fixed:")
+        if known is not None and metric not in known:
+            raise click.UsageError(f"metric {spec.metric} is never reported: {label} reports "
+                                   f"{', '.join(k for k in known if k != 'samples_per_sec')}. "
+                                   "HINT: name one of them, or final_loss")
 
 
 def _from_environment(exc: Exception) -> str:

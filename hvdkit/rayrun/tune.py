@@ -22,6 +22,7 @@ epoch. Tune alone would stop at once and kill the trials' ranks mid-step.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -34,7 +35,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..observe import EPOCH_EVENTS_VAR, EPOCH_TAG
 from ..preemption import EXIT_PREEMPTED
-from ..sweep import SweepSpec, trial_args
+from ..sweep import SweepSpec, perturb_ranges, trial_args
 from .cluster import RaySpec, check_fits, worker_env
 from .layout import EXPERIMENT, PREEMPT_FLAG, PREEMPTED_DIR, PREEMPTED_MARK, TUNE_DIR
 
@@ -43,6 +44,7 @@ __all__ = ["run_tune", "check_ray_sweep"]
 # The trial itself only relays lines: it holds no resources (Tune's empty head bundle), so a
 # cluster of exactly K x np rank slots runs K trials at once.
 TRIAL_BUNDLE: dict[str, float] = {}
+TRAINED_WITH = "params.json"  # in a trial's checkpoint home: the hyperparameters of its last attempt
 
 
 def check_ray_sweep(spec: SweepSpec) -> None:
@@ -51,10 +53,7 @@ def check_ray_sweep(spec: SweepSpec) -> None:
         raise ConfigError("checkpoint_dir in fixed: would be shared by every trial; the Ray engine gives each "
                           "trial its own", "remove checkpoint_dir from fixed:")
     if spec.scheduler == "pbt":
-        for key in spec.perturb:
-            if key not in spec.fixed and key not in (spec.grid or spec.random.get("params", {})):
-                raise ConfigError(f"scheduler: pbt perturbs {key}, which the space does not set",
-                                  f"add {key} to fixed:, grid: or params:, or list others in perturb:")
+        perturb_ranges(spec)
         spec.asha_config()  # the budget: fixed: {epochs: N}
 
 
@@ -75,7 +74,7 @@ class _TrialConsole:
 
 
 def _trainable(config: dict[str, Any], *, out: str, spec: SweepSpec, trials: list[dict[str, Any]], backend: str,
-               ray_spec: RaySpec, env: dict[str, str]) -> None:
+               ray_spec: RaySpec, env: dict[str, str], cwd: str) -> None:
     """One trial, inside Tune: the distributed run, its epochs reported with their checkpoints."""
     from ray import tune
 
@@ -94,6 +93,8 @@ def _trainable(config: dict[str, Any], *, out: str, spec: SweepSpec, trials: lis
     attempt = len(list(home.glob("attempt-*"))) if home.exists() else 0
     ck = home / f"attempt-{attempt}"  # fresh for every attempt: only what Tune gave is resumed
     ck.mkdir(parents=True, exist_ok=True)
+    # what this attempt trains with (PBT changes it): the results table reports the last
+    (home / TRAINED_WITH).write_text(json.dumps(params) + "\n")
     given = tune.get_checkpoint()
     origin: dict[str, Any] = {}
     if given is not None:
@@ -169,8 +170,10 @@ def _trainable(config: dict[str, Any], *, out: str, spec: SweepSpec, trials: lis
         told.append(signal.SIGUSR1)
         return [signal.SIGUSR1]
 
+    # the ranks start in the driver's working directory, as under the local engine (Tune moved
+    # this trainable into its trial directory): relative paths in the space mean the same
     code = 0 if flag.exists() else run_job(ray_spec, backend, program, {**env, EPOCH_EVENTS_VAR: "1"}, console,
-                                           poll=preempt)
+                                           poll=preempt, cwd=cwd)
     if flag.exists():
         if code == EXIT_PREEMPTED:
             (ck / PREEMPTED_MARK).touch()
@@ -199,11 +202,24 @@ def _scheduler(spec: SweepSpec) -> Any:
     if spec.scheduler == "pbt":
         from ray import tune
 
-        mutations = {k: tune.loguniform(1e-5, 1.0) if k == "lr" else tune.uniform(0.0, 1.0) for k in spec.perturb}
+        ranges = perturb_ranges(spec)
+        domains = {"uniform": tune.uniform, "loguniform": tune.loguniform,
+                   "int": lambda lo, hi: tune.randint(lo, hi + 1)}  # Tune's upper bound is exclusive
+        mutations = {k: r if isinstance(r, list) else domains[r[0]](r[1], r[2]) for k, r in ranges.items()}
         return PopulationBasedTraining(time_attr="epochs", perturbation_interval=spec.grace,
                                        hyperparam_mutations=mutations, quantile_fraction=0.5, synch=False,
-                                       **metric_mode)
+                                       custom_explore_fn=functools.partial(_within, ranges=ranges), **metric_mode)
     return FIFOScheduler()
+
+
+def _within(config: dict[str, Any], *, ranges: dict[str, Any]) -> dict[str, Any]:
+    """PBT's explore step multiplies a value by 0.8 or 1.2: bring it back into the key's range
+    (an int whole, rounded by Tune), so a momentum of 0.95 never becomes 1.14."""
+    for key, r in ranges.items():
+        if isinstance(r, tuple) and key in config:
+            value = min(max(config[key], r[1]), r[2])
+            config[key] = int(round(value)) if r[0] == "int" else float(value)
+    return config
 
 
 def _tune_metric(spec: SweepSpec) -> str:
@@ -214,7 +230,6 @@ def run_tune(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend: 
              resume: bool = False, max_failures: int = 2) -> dict[str, Any]:
     """Run (or with ``resume`` continue) the experiment; write each trial's results file where
     ``hvdkit train`` did not (a pruned or failed trial), so hvdkit.sweep.collect_results reads all."""
-    import functools
     import os
     import warnings
 
@@ -236,7 +251,7 @@ def run_tune(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend: 
     trainable = tune.with_resources(
         # the ranks' environment from this shell: a trainable runs in a Ray worker, whose own is the raylet's
         functools.partial(_trainable, out=str(out), spec=spec, trials=trials, backend=backend, ray_spec=ray_spec,
-                          env=worker_env({})),
+                          env=worker_env({}), cwd=os.getcwd()),
         tune.PlacementGroupFactory(bundles, strategy="PACK"))
     storage = str((out / TUNE_DIR).resolve())
     if resume:
@@ -278,9 +293,12 @@ def run_tune(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend: 
         summary["errors"] += result.error is not None
         path = out / "results" / f"ray-{index}.json"
         done = path.exists() and json.loads(path.read_text()).get("status") == "completed"
+        trained = out / "checkpoints" / f"trial-{index:03d}" / TRAINED_WITH
         if done and spec.scheduler == "pbt":
             data = json.loads(path.read_text())
             data["exploited_from"] = sorted({e["from"] for e in summary["exploits"] if e["trial"] == index})
+            if trained.exists():
+                data["params"] = json.loads(trained.read_text())
             path.write_text(json.dumps(data, indent=2) + "\n")
         if done:
             continue
@@ -290,6 +308,7 @@ def run_tune(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend: 
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({
             "status": "failed" if result.error is not None else "pruned", "history": history,
+            **({"params": json.loads(trained.read_text())} if trained.exists() and spec.scheduler == "pbt" else {}),
             spec.metric: value if isinstance(value, float) and math.isfinite(value) else None,
             "error": str(result.error).splitlines()[0] if result.error is not None else None}, indent=2) + "\n")
     return summary

@@ -213,13 +213,14 @@ def _group(backend: str, spec: RaySpec, env: Mapping[str, str]) -> Any:
 
 
 def run_job(spec: RaySpec, backend: str, program: Sequence[str], env: Mapping[str, str], console: Any,
-            grace_s: float = 20.0, poll: Callable[[], list[int]] | None = None) -> int:
+            grace_s: float = 20.0, poll: Callable[[], list[int]] | None = None, cwd: str | None = None) -> int:
     """Run ``program`` on ``spec.np`` ranks of the connected cluster; lines go to ``console``
     (a :class:`hvdkit.launch.output.ConsoleLog`). Signals this process gets (TERM, USR1, USR2,
     INT) reach every rank, and so do those ``poll`` returns (asked every 0.2 s: a Tune trial,
     which runs outside the main thread, learns of a preemption that way). When a rank fails,
     the others have ``grace_s`` to end on their own (hvdkit's ranks notice a lost peer), then
-    their workers are killed. Returns the exit code: the first rank's that failed, else 0."""
+    their workers are killed. The ranks start in ``cwd`` (default: this process's). Returns the
+    exit code: the first rank's that failed, else 0."""
     import ray
 
     relay: Any = ray.remote(_Relay).options(**_outside_placement_group()).remote()
@@ -229,7 +230,7 @@ def run_job(spec: RaySpec, backend: str, program: Sequence[str], env: Mapping[st
         for sig in RELAYED_SIGNALS:
             previous[sig] = signal.signal(sig, lambda s, _f: caught.append(s))
     group = _group(backend, spec, env)
-    refs = group.launch(program, os.getcwd(), relay)
+    refs = group.launch(program, cwd or os.getcwd(), relay)
     rank_of = {ref: i for i, ref in enumerate(refs)}
     codes: dict[int, int] = {}
     failed_at: float | None = None
