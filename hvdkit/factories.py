@@ -68,6 +68,9 @@ def parse_import_path(value: str, what: str = "--model") -> ImportPath:
     return ImportPath(value, target, None, attr)
 
 
+_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def parse_args(items: Iterable[str] | Mapping[str, Any], what: str = "--model-arg") -> dict[str, Any]:
     """``["num_classes=10", "bias=false"]`` -> ``{"num_classes": 10, "bias": False}`` (YAML scalars).
 
@@ -87,6 +90,8 @@ def parse_args(items: Iterable[str] | Mapping[str, Any], what: str = "--model-ar
                 value = yaml.safe_load(raw) if raw.strip() else ""
             except yaml.YAMLError:
                 value = raw
+            if isinstance(value, str) and _EXPONENT.fullmatch(raw.strip()):
+                value = float(raw)  # YAML 1.1 reads 1e-6 (no dot) as a string
             pairs.append((key.strip(), value))
     out: dict[str, Any] = {}
     for key, value in pairs:

@@ -466,6 +466,14 @@ def _enter(run: _Run) -> None:
     run.scheduler.base_lrs = [cfg.lr * plan.scale for _ in run.optimizer.param_groups]
     for group, lr in zip(run.optimizer.param_groups, run.scheduler.base_lrs):
         group["lr"] = lr * plan.factor(run.step)
+    spec = cfg.backend.compression
+    if run.master and spec.kind == "powersgd" and run.step == result.start_step:
+        from .backends.powersgd import idle_reasons  # said before the first step, not found in the report
+
+        shapes = [p.shape for p in run.model.parameters() if p.requires_grad]
+        for reason in idle_reasons(spec, shapes, min(cfg.max_steps or 1 << 62, cfg.epochs * geo.steps_per_epoch),
+                                   run.step):
+            warn(f"--compression powersgd does nothing here: {reason}")
     if cfg.asha_dir and run.master and run.asha is None:
         run.asha = AshaTrial(cfg.asha_dir, cfg.asha_trial or 0)  # the config requires both
     result.start_step = run.step

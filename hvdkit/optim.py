@@ -26,6 +26,9 @@ _SET_BY_HVDKIT = {"sgd": {"lr": "--lr", "momentum": "--momentum", "weight_decay"
                   "adamw": {"lr": "--lr", "weight_decay": "--weight-decay"}}
 
 
+_BUILTIN: dict[str, Any] = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Two groups of trainable parameters: ``dim >= 2`` with ``weight_decay``, the rest without.
 
@@ -47,8 +50,7 @@ def make_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter] | nn.Module,
         return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                                **cfg.optimizer_args)
     if cfg.optimizer in ("adam", "adamw"):
-        cls = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
-        return cls(groups, lr=lr, weight_decay=cfg.weight_decay, **cfg.optimizer_args)
+        return _BUILTIN[cfg.optimizer](groups, lr=lr, weight_decay=cfg.weight_decay, **cfg.optimizer_args)
     assert is_import_path(cfg.optimizer)
     factory = resolve(cfg.optimizer, {"lr": lr, **cfg.optimizer_args}, what="--optimizer", skip=1)
     optimizer = call(factory, cfg.optimizer, {"lr": lr, **cfg.optimizer_args}, "--optimizer", groups)
@@ -70,6 +72,7 @@ def check_optimizer(cfg: TrainConfig) -> None:
         if key in _SET_BY_HVDKIT.get(cfg.optimizer, {}):
             raise ConfigError(f"--optimizer-arg {key}: --optimizer {cfg.optimizer} gets {key} from "
                               f"{_SET_BY_HVDKIT[cfg.optimizer][key]}", f"use {_SET_BY_HVDKIT[cfg.optimizer][key]}")
+    _check_kinds(cfg)
     try:
         make_optimizer(cfg, [torch.nn.Parameter(torch.zeros(2, 2))], cfg.lr)
     except ConfigError:
@@ -79,3 +82,35 @@ def check_optimizer(cfg: TrainConfig) -> None:
         raise ConfigError(f"--optimizer {cfg.optimizer} refused {given or 'its arguments'}: "
                           f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
                           "check the names and values against the optimizer's documentation") from None
+
+
+def _check_kinds(cfg: TrainConfig) -> None:
+    """Each --optimizer-arg has the kind of its default in the optimizer's signature: an
+    optimizer takes what it is given, and 'amsgrad=maybe', a true string, would turn it on."""
+    import inspect
+
+    from .errors import ConfigError
+
+    cls = _BUILTIN.get(cfg.optimizer) or resolve(cfg.optimizer, {"lr": cfg.lr, **cfg.optimizer_args},
+                                                 what="--optimizer", skip=1)
+    try:
+        declared = inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # no signature to read (a C extension): its own checks only
+        return
+    for key, value in cfg.optimizer_args.items():
+        default = declared[key].default if key in declared else None
+        wanted = _kind(default)
+        if wanted is not None and _kind(value) != wanted:
+            raise ConfigError(f"--optimizer-arg {key}={value!r}: --optimizer {cfg.optimizer} takes {wanted} "
+                              f"for {key} (its default is {default!r})", f"e.g. --optimizer-arg {key}={default}")
+
+
+def _kind(value: Any) -> str | None:
+    """A value's kind as an optimizer's defaults have it: true/false, a number, or a list."""
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    return None

@@ -393,3 +393,95 @@ def test_no_number_option_of_train_takes_nan_or_inf(bad):
         said = [line for line in result.output.splitlines() if line.startswith("Error:")]
         # "'nan' is not a finite number", or for +-inf outside a range "inf is not in the range finite, x>0"
         assert len(said) == 1 and f"Invalid value for '{param.opts[0]}': " in said[0] and "finite" in said[0], said
+
+
+# #44 item 6, the rest of the class: options that the other choices of the same command would
+# ignore. Each is refused in one line naming it, before anything starts or is written; the
+# same option in its own setting is accepted (the second half of each row, where one is cheap).
+IGNORED = [
+    ("run --dry-run --ray-address 127.0.0.1:1 -- --epochs 1", "--ray-address places ranks on Ray"),
+    ("run --dry-run -c 2 -- --epochs 1", "--cpus-per-task places ranks on Ray"),
+    ("run --dry-run --ray-placement pack -- --epochs 1", "--ray-placement places ranks on Ray"),
+    ("run --launcher ray --controller gloo -- --epochs 1", "--controller is an option of horovodrun and mpirun"),
+    ("run --launcher ray --oversubscribe -- --epochs 1", "--oversubscribe is an option of horovodrun and mpirun"),
+    ("run --dry-run --backend ddp --launcher mpirun --controller gloo -- --epochs 1", "mpirun is MPI"),
+    ("run --dry-run --min-np 1 -- --epochs 1", "--min-np is an option of --elastic"),
+    ("run --dry-run --max-np 4 -- --epochs 1", "--max-np is an option of --elastic"),
+    ("run --dry-run --elastic-timeout 60 -- --epochs 1", "--elastic-timeout is an option of --elastic"),
+    ("run --dry-run --slots 4 -- --epochs 1", "--slots sizes the script of --write-discovery-script"),
+    ("run --launcher ray --elastic -- --epochs 1", "--elastic cannot be combined with --launcher ray"),
+    ("run --launcher ray -- --epochs 1 --elastic", "training's --elastic needs Horovod Elastic's driver"),
+    ("slurm --engine ray -- --epochs 1 --elastic", "training's --elastic needs Horovod Elastic's driver"),
+    ("slurm --engine ray --srun-mpi pmix -- --epochs 1", "--srun-mpi cannot be combined with --engine ray"),
+    ("slurm --backend ddp --process-group nccl -- --epochs 1", "--process-group nccl needs GPUs"),
+    ("slurm --engine ray --backend ddp --process-group nccl -- --epochs 1", "--process-group nccl needs GPUs"),
+    ("slurm --backend horovod --process-group gloo -- --epochs 1", "--process-group is DDP's"),
+    ("sweep space.yaml --ray-address 127.0.0.1:1", "--ray-address is an option of --engine ray"),
+    ("sweep space.yaml --max-failures 1", "--max-failures is an option of --engine ray"),
+    ("sweep space.yaml --gpus-per-task 1", "--gpus-per-task is an option of --engine ray"),
+    ("sweep space.yaml --eta 3", "--eta is an option of scheduler: asha; this sweep's scheduler is none"),
+    ("sweep space.yaml --grace 2", "--grace is an option of scheduler: asha"),
+    ("sweep space.yaml --engine ray --scheduler pbt --eta 3", "this sweep's scheduler is pbt"),
+    ("sweep space.yaml --max-parallel 2", "--max-parallel is an option of --slurm"),
+    ("sweep space.yaml --engine ray --slurm --max-parallel 2", "--max-parallel throttles a job array"),
+    ("sweep space.yaml --venv /x", "--venv is an option of --slurm"),
+    ("sweep space.yaml -t 1:00", "--time is an option of --slurm"),
+    ("train --optimizer adam --momentum 0.5", "--momentum is --optimizer sgd's; --optimizer adam takes no momentum"),
+    ("train --optimizer torch.optim:SGD --momentum 0.9 --optimizer-arg momentum=0.5",
+     "--optimizer torch.optim:SGD is given only --optimizer-arg values"),
+    ("train --optimizer adam --optimizer-arg amsgrad=maybe", "takes true or false for amsgrad"),
+    ("train --optimizer torch.optim:SGD --optimizer-arg momentum=0.9 --optimizer-arg nesterov=1",
+     "takes true or false for nesterov"),
+    ("train --optimizer adamw --optimizer-arg eps=small", "takes a number for eps"),
+]
+
+
+@pytest.mark.parametrize("command,words", IGNORED, ids=[c for c, _ in IGNORED])
+def test_an_option_the_other_choices_would_ignore_is_refused(command, words, tmp_path, monkeypatch, capsys):
+    from hvdkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    (tmp_path / "space.yaml").write_text("fixed: {model: mlp, epochs: 4, num_samples: 64}\n"
+                                         "grid: {lr: [0.01, 0.02]}\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(command.split())
+    captured = capsys.readouterr()
+    lines = (captured.out + captured.err).strip().splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1 and words in lines[0], (command, lines)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["space.yaml"], "a refused command wrote something"
+
+
+def test_an_option_in_its_own_setting_is_still_taken(tmp_path, monkeypatch, capsys):
+    """The other half of the rows above: where each option does something, it is accepted."""
+    from hvdkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for command in ("run --dry-run -np 2 --launcher horovodrun --controller gloo -- --epochs 1",
+                    "run --write-discovery-script d.sh --slots 4",
+                    "slurm --backend ddp --gpus-per-node 2 --tasks-per-node 2 --process-group nccl -- --epochs 1"):
+        with pytest.raises(SystemExit) as exit_:
+            main(command.split())
+        assert exit_.value.code == 0, (command, capsys.readouterr())
+    # training ends its process itself (os._exit after the run): a real one
+    proc = subprocess.run([*HVDKIT, "train", "--optimizer", "adamw", "--optimizer-arg", "amsgrad=true",
+                           "--optimizer-arg", "eps=1e-6", "--epochs", "1", "--num-samples", "64", "--model", "tiny"],
+                          env=base_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_powersgd_that_would_never_compress_says_why():
+    """#44 item 6: a start beyond the run, or a rank that leaves no matrix to compress, is one
+    warning each at set-up (hvdkit.loop), not a silent run of plain averaging."""
+    import torch
+
+    from hvdkit.backends.powersgd import idle_reasons
+    from hvdkit.config import parse_compression
+
+    shapes = [torch.Size([64, 32]), torch.Size([64])]
+    assert idle_reasons(parse_compression("powersgd"), shapes, steps=100, at_step=0) == []
+    late = idle_reasons(parse_compression("powersgd"), shapes, steps=4, at_step=0)  # the default start, 10
+    assert len(late) == 1 and "starts at step 10 and this run has 4 optimizer steps" in late[0]
+    assert idle_reasons(parse_compression("powersgd"), shapes, steps=4, at_step=12) == []  # resumed past it
+    big = idle_reasons(parse_compression("powersgd:rank=1000000000,start=2"), shapes, steps=100, at_step=0)
+    assert len(big) == 1 and "no parameter matrix is larger than its two factors" in big[0]

@@ -70,6 +70,20 @@ def wire_elements(shapes: Sequence[torch.Size], rank: int) -> dict[str, int]:
             "products": sum(n * m * r for _, n, m, r in mats)}
 
 
+def idle_reasons(spec: CompressionSpec, shapes: Sequence[torch.Size], steps: int, at_step: int) -> list[str]:
+    """Why ``--compression powersgd`` would do nothing in a run of ``steps`` optimizer steps
+    (now at ``at_step``) over parameters of ``shapes``: its start lies beyond the run, or its
+    rank leaves no matrix worth compressing (each smaller than its factors). Empty: it works."""
+    reasons = []
+    if at_step < spec.start and spec.start >= steps:
+        reasons.append(f"it starts at step {spec.start} and this run has {steps} optimizer steps, so every "
+                       f"step sends plain gradients (train longer, or start earlier: powersgd:start=N, N >= 2)")
+    if not _matrices(list(shapes), spec.rank):
+        reasons.append(f"at rank {spec.rank} no parameter matrix is larger than its two factors, so nothing is "
+                       "compressed (a lower powersgd:rank=R compresses)")
+    return reasons
+
+
 def _maybe(allreduce_sum: AllreduceSum, tensor: torch.Tensor, name: str) -> Wait:
     """Every rank has the same buckets, so an empty part is empty everywhere: nothing to send."""
     return allreduce_sum(tensor, name) if tensor.numel() else (lambda: tensor)

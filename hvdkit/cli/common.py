@@ -7,7 +7,7 @@ import json
 import math
 import sys
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,29 @@ def translate_errors(f: Callable[..., Any]) -> Callable[..., Any]:
 
     return wrapper
 
+
+
+def given_options(ctx: click.Context) -> dict[str, click.Parameter]:
+    """The options the user gave, on the command line or in ``--config``, by name: not
+    defaults, and not the environment (a RAY_ADDRESS set for other work is not a mistake)."""
+    from click.core import ParameterSource
+
+    return {p.name: p for p in ctx.command.params if p.name and ctx.get_parameter_source(p.name)
+            in (ParameterSource.COMMANDLINE, ParameterSource.DEFAULT_MAP)}
+
+
+def refuse_unused(ctx: click.Context, names: Iterable[str], why: str, fix: str) -> None:
+    """One usage error naming the first option of ``names`` the user gave: with what else was
+    chosen, it would do nothing (``why``: '... is an option of X'; ``fix``: the HINT)."""
+    given = given_options(ctx)
+    for name in names:
+        if name in given:
+            flag = given[name].opts[-1] if given[name].opts[-1].startswith("--") else given[name].opts[0]
+            raise click.UsageError(f"{flag} {why}. HINT: {fix.replace('{flag}', flag)}")
+
+
+# the options of ray_options(), by name: given without Ray they would do nothing
+RAY_OPTIONS = ("ray_address", "ray_placement", "cpus_per_task", "gpus_per_task")
 
 
 def ray_options(f: Callable[..., Any]) -> Callable[..., Any]:

@@ -34,7 +34,16 @@ from ..launch.local import (
 from ..launch.output import run_with_log
 from ..launch.vocabulary import BACKEND_VAR, CONSOLE_TTY_VAR, IFACE_VAR, check_iface_name, iface_env, train_env_var
 from ..log import debug, diag
-from .common import config_option, ray_options, ray_spec, translate_errors, usable_output_dir, usable_output_path
+from .common import (
+    RAY_OPTIONS,
+    config_option,
+    ray_options,
+    ray_spec,
+    refuse_unused,
+    translate_errors,
+    usable_output_dir,
+    usable_output_path,
+)
 from .validate import check_program, check_train_args, is_program
 
 
@@ -87,6 +96,10 @@ def shield_from_horovodrun(args: tuple[str, ...]) -> tuple[list[str], dict[str, 
         else:
             env[key] = inline if eq else (items.pop(0) if items else "")
     return kept, env
+
+
+# the options only --elastic reads
+ELASTIC_ONLY = ("min_np", "max_np", "host_discovery_script", "blacklist_cooldown_range", "elastic_timeout")
 
 
 @click.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -146,6 +159,17 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
     banners; a failed run ends with one 'Error:' line naming the cause and the
     log file that holds the whole output.
     """
+    ctx = click.get_current_context()
+    # options that the other choices made here would ignore: refused, never silently dropped
+    refuse_unused(ctx, ELASTIC_ONLY if not elastic else (), "is an option of --elastic",
+                  "add --elastic, or drop {flag}")
+    refuse_unused(ctx, ("slots",) if not write_discovery_script else (), "sizes the script of "
+                  "--write-discovery-script", "drop {flag}, or add --write-discovery-script FILE")
+    if launcher == "ray":
+        refuse_unused(ctx, ("controller", "oversubscribe"), "is an option of horovodrun and mpirun; Ray starts "
+                      "the ranks with --launcher ray", "drop {flag}")
+    else:
+        refuse_unused(ctx, RAY_OPTIONS, "places ranks on Ray", "add --launcher ray, or drop {flag}")
     if log_dir:
         usable_output_dir(log_dir, "--log-dir")
     if write_discovery_script:
@@ -153,21 +177,16 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
         path = write_text_atomic(write_discovery_script, render_discovery_script(slots), executable=True)
         click.echo(f"wrote {path}", err=True)
         return
-    if elastic and not host_discovery_script:
+    if elastic and launcher != "ray" and not host_discovery_script:  # (Ray: refused by run_on_ray)
         raise click.UsageError("--elastic needs --host-discovery-script (write one with --write-discovery-script)")
     if write_script:
         usable_output_path(write_script, "--write-script")
     # a terminal here: hvdkit train's ranks send their progress, and this process draws it as a bar
     tty = sys.stderr.isatty() and not is_program(args) and not (dry_run or write_script)
-    ray_only = [f"--{n}" for n, on in (("ray-placement", ray_placement != "pack"),
-                                        ("cpus-per-task", cpus_per_task != 1), ("gpus-per-task", gpus_per_task != 0))
-                if on]
     if launcher == "ray":
         run_on_ray(np, backend, args, ray_address, ray_placement, cpus_per_task, gpus_per_task, elastic, hosts,
                    dry_run or bool(write_script), log_dir, tty, iface)
         return
-    if ray_only:
-        raise click.UsageError(f"{ray_only[0]} places ranks on Ray. HINT: add --launcher ray, or drop it")
     try:  # every mistake in the launch itself is a usage error, found before anything starts
         chosen = local_launcher(backend, launcher)
         if chosen == "horovodrun":
@@ -175,6 +194,8 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
             # a default that a measurement chose is said aloud; the built-in one only in DEBUG
             (diag if why.startswith(MEASURED) else debug)(f"horovodrun controller: {controller} ({why})")
         else:
+            refuse_unused(ctx, ("controller",), "chooses horovodrun's controller; mpirun is MPI",
+                          "drop {flag}, or use --launcher horovodrun")
             controller = "mpi"  # mpirun is MPI: there is no controller to choose
         nic = None
         if elastic:
@@ -245,14 +266,19 @@ def run_on_ray(np: int, backend: str, args: tuple[str, ...], address: str | None
         ray_backend(backend)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    spec = dataclasses.replace(ray_spec(np, address, placement, cpus, gpus),
-                               iface=check_iface_name(iface) if iface else None)
+    if iface:  # before Ray starts: a wrong name would fail every rank after it did
+        check_network_interface({IFACE_VAR: check_iface_name(iface)})
     if is_program(args):
         check_program(args)
         program = list(args)
     else:
-        check_train_args(args, backend=backend)
+        if check_train_args(args, backend=backend).elastic:
+            raise click.UsageError("training's --elastic needs Horovod Elastic's driver (horovodrun), and Ray "
+                                   "starts these ranks. HINT: drop --elastic, or use hvdkit run --elastic "
+                                   "without --launcher ray")
         program = [PYTHON, "-m", "hvdkit", "train", "--backend", backend, *args]
+    spec = dataclasses.replace(ray_spec(np, address, placement, cpus, gpus),
+                               iface=check_iface_name(iface) if iface else None)
     env = worker_env({BACKEND_VAR: backend, **({CONSOLE_TTY_VAR: "1"} if tty else {}),
                       **(iface_env(iface) if iface else {})})
     console = ConsoleLog(log_dir, progress=tty)

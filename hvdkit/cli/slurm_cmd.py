@@ -165,8 +165,9 @@ def slurm_command(**o: Any) -> None:
     # everything the nodes would trip over, checked now: nothing is written when one fails
     if is_program(args):
         check_program(args, o["venv"], o["workdir"])
-    else:
-        check_train_args(args, backend=o["backend"])
+    elif check_train_args(args, backend=o["backend"]).elastic and o["engine"] == "ray":
+        raise click.UsageError("training's --elastic needs Horovod Elastic's driver (horovodrun), and Ray starts "
+                               "these ranks. HINT: use hvdkit slurm --elastic without --engine ray")
     try:
         if o["array"] and o["array_params"]:
             check_array_params(o["array"], o["array_params"], train_options=not is_program(args))

@@ -15,11 +15,23 @@ import click
 from ..backends.traits import BACKENDS, DEFAULT_BACKEND, traits
 from ..errors import ConfigError
 from ..sweep import SCHEDULERS
-from .common import config_option, ray_options, ray_spec, translate_errors, usable_output_dir
+from .common import (
+    RAY_OPTIONS,
+    config_option,
+    ray_options,
+    ray_spec,
+    refuse_unused,
+    translate_errors,
+    usable_output_dir,
+)
 
 if TYPE_CHECKING:
     from ..rayrun.cluster import RaySpec
     from ..sweep import SweepSpec
+
+
+# the options only --slurm reads
+SLURM_ONLY = ("venv", "time_limit", "partition", "max_parallel", "wait")
 
 
 def _wait_for_array(job_id: str, timeout_s: float) -> None:
@@ -116,6 +128,14 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
         write_trials,
     )
 
+    ctx = click.get_current_context()
+    # options that the engine, --slurm or the scheduler chosen would ignore: refused
+    if engine == "local":
+        refuse_unused(ctx, (*RAY_OPTIONS, "max_failures"), "is an option of --engine ray", "add --engine ray, "
+                      "or drop {flag}")
+    refuse_unused(ctx, SLURM_ONLY if not slurm else (), "is an option of --slurm", "add --slurm, or drop {flag}")
+    refuse_unused(ctx, ("max_parallel",) if engine == "ray" else (), "throttles a job array; --engine ray --slurm "
+                  "runs one job", "size it with --parallel and --nodes, and drop {flag}")
     try:  # before anything is written: every mistake in the space is a usage error
         if slurm or np > 1:
             traits(backend, launched=True)
@@ -123,6 +143,9 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
         overrides = {k: v for k, v in (("scheduler", scheduler), ("eta", eta), ("grace", grace)) if v is not None}
         if overrides:
             spec = dataclasses.replace(spec, **overrides)  # type: ignore[arg-type]  # validated again
+        refuse_unused(ctx, ("eta", "grace") if spec.scheduler == "none" else ("eta",) if spec.scheduler == "pbt"
+                      else (), f"is an option of scheduler: asha; this sweep's scheduler is {spec.scheduler}",
+                      "add --scheduler asha (or scheduler: asha in the space), or drop {flag}")
         from ..sweep import expand_trials
         from .validate import check_sweep_trials
 

@@ -33,7 +33,7 @@ from ..config import (
 )
 from ..environments import ENVIRONMENTS
 from ..errors import ConfigError, HvdkitError, first_line
-from .common import FiniteFloat, config_option, translate_errors
+from .common import FiniteFloat, config_option, given_options, translate_errors
 
 TRAIN = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
 HVD = {f.name: f.default for f in dataclasses.fields(HorovodOptions)}
@@ -55,10 +55,7 @@ def check_given_options(ctx: click.Context) -> None:
     """Refuse an option given on the command line (or in --config) that the chosen backend
     would ignore: Horovod's knobs on DDP and the other way round, compression without
     communication. One ConfigError naming the option and the backend that reads it."""
-    from click.core import ParameterSource
-
-    given = {p.name: p for p in ctx.command.params if p.name and ctx.get_parameter_source(p.name)
-             in (ParameterSource.COMMANDLINE, ParameterSource.DEFAULT_MAP)}
+    given = given_options(ctx)
     backend = ctx.params["backend"]
     for owner, names in BACKEND_ONLY.items():
         for name in names:
@@ -66,6 +63,12 @@ def check_given_options(ctx: click.Context) -> None:
                 flag = given[name].opts[0]
                 raise ConfigError(f"{flag} is an option of --backend {owner}; --backend {backend} would ignore it",
                                   f"drop {flag}, or use --backend {owner}")
+    if "momentum" in given and ctx.params["optimizer"] != "sgd":
+        what = ("takes no momentum (its betas are --optimizer-arg betas=[B1,B2])"
+                if ctx.params["optimizer"] in ("adam", "adamw")
+                else "is given only --optimizer-arg values (its momentum: --optimizer-arg momentum=M)")
+        raise ConfigError(f"--momentum is --optimizer sgd's; --optimizer {ctx.params['optimizer']} {what}",
+                          "drop --momentum")
     if backend == "local" and "compression" in given and ctx.params["compression"] != "none":
         raise ConfigError("--compression with --backend local: one plain process sends no gradients to compress",
                           "drop --compression, or launch ranks with --backend horovod or ddp")

@@ -158,6 +158,12 @@ class SlurmJob:
                 f"--tasks-per-node {self.tasks_per_node} differs from --gpus-per-node {self.gpus_per_node}",
                 "data-parallel training runs one rank per GPU: set them equal")
         gpu_pg = backend.gpu_process_group
+        if self.process_group is not None and gpu_pg is None:
+            raise ConfigError(f"--process-group is DDP's; --backend {self.backend} would ignore it",
+                              "drop --process-group")
+        if self.process_group == gpu_pg and gpu_pg and not self.gpus_per_node and self.gpus_per_task is None:
+            raise ConfigError(f"--process-group {gpu_pg} needs GPUs, and this job asks for none",
+                              "add --gpus-per-node N, or drop --process-group (gloo is chosen on CPUs)")
         if self.gpus_per_node and gpu_pg and self.process_group not in (None, gpu_pg):
             raise ConfigError(f"--gpus-per-node with --process-group {self.process_group} leaves the GPUs' "
                               f"{gpu_pg.upper()} path unused",
@@ -176,7 +182,8 @@ class SlurmJob:
             raise ConfigError("a Ray sweep's job needs Ray in the allocation", "use the ray engine")
         if self.launcher == RAY_ENGINE:
             for flag, on in (("--elastic", self.elastic_min_nodes is not None), ("--array", bool(self.array)),
-                             ("--gpus-per-task", self.gpus_per_task is not None)):
+                             ("--gpus-per-task", self.gpus_per_task is not None),
+                             ("--srun-mpi", self.srun_mpi is not None)):
                 if on:
                     raise ConfigError(f"{flag} cannot be combined with --engine ray",
                                       "Ray places the ranks inside the allocation: drop it (GPUs: --gpus-per-node)")
