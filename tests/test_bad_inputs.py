@@ -63,7 +63,7 @@ CASES = [
      "comm_wait, val_loss, val_accuracy"),
     # hvdkit run: refused before any launcher starts
     ("run -np 0", 2, "'-np' / '--np'"),
-    ("run --iface nosuch0 -- --epochs 1", 1, "network interface 'nosuch0'"),
+    ("run --iface nosuch0 -- --epochs 1", 2, "network interface 'nosuch0'"),
     ("run --elastic -- --epochs 1", 2, "--elastic needs --host-discovery-script"),
     ("run -- --lrr 0.1", 2, "did you mean --lr?"),
     ("run -- ./missing.py", 2, "does not exist"),

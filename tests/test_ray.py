@@ -143,6 +143,9 @@ def test_ray_refusals_are_one_line_before_anything_runs(head, tmp_path):
     shared.write_text("fixed: {model: mlp, epochs: 2, checkpoint_dir: ck}\ngrid: {lr: [0.1]}\n")
     plain = tmp_path / "p.yaml"
     plain.write_text("fixed: {model: mlp, epochs: 2}\ngrid: {lr: [0.1]}\n")
+    empty = tmp_path / "resumed"  # a --resume whose tune/ holds nothing Tune can restore
+    (empty / "tune" / "experiment").mkdir(parents=True)
+    (empty / "spec.json").write_text(json.dumps({"grid": {"lr": [0.1]}}))
     cases: list[tuple] = [
         (["run", "--launcher", "ray", "--ray-address", closed, "--", "--model", "mlp"],
          f"no Ray cluster answers at {closed}"),
@@ -165,6 +168,15 @@ def test_ray_refusals_are_one_line_before_anything_runs(head, tmp_path):
           "--out", str(tmp_path / "o5")], "--parallel 3 trials of -np 1 ranks do not fill --nodes 2 evenly"),
         (["sweep", "run", str(plain), "-N", "2", "--out", str(tmp_path / "o6")],
          "--nodes sizes the job of --engine ray --slurm"),
+        # #44 class 8
+        (["run", "--launcher", "ray", "--ray-address", "localhost:\u00b2", "--", "--model", "mlp"],
+         "--ray-address 'localhost:\u00b2' is not host:port"),
+        (["run", "--launcher", "ray", "--iface", "bogus0", "--", "--model", "mlp"],
+         "network interface 'bogus0' (--iface) does not exist"),
+        (["run", "--launcher", "ray", "--", "--model", "mlp", "--elastic"],
+         "training's --elastic needs Horovod Elastic's driver"),
+        (["sweep", "run", str(plain), "--engine", "ray", "--resume", str(empty), "--ray-address", head],
+         f"{empty} holds no Ray sweep to resume"),
     ]
     # joining a cluster with token authentication: no token, a wrong one; and something that
     # answers TCP but is not Ray (an HTTP server)
@@ -173,6 +185,17 @@ def test_ray_refusals_are_one_line_before_anything_runs(head, tmp_path):
 
     web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
     threading.Thread(target=web.serve_forever, daemon=True).start()
+    # and one that greets as sshd does, then says nothing more
+    import socketserver
+
+    class Banner(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            self.request.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+            self.request.recv(1 << 16)  # until the client gives up
+
+    ssh = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Banner)
+    ssh.daemon_threads = True
+    threading.Thread(target=ssh.serve_forever, daemon=True).start()
     fresh = {"RAY_AUTH_TOKEN_PATH": "", "HOME": str(tmp_path / "home")}
     join = ["run", "--launcher", "ray", "--ray-address", head, "--", "--model", "mlp"]
     cases += [
@@ -181,6 +204,10 @@ def test_ray_refusals_are_one_line_before_anything_runs(head, tmp_path):
         (join, {"RAY_AUTH_MODE": "disabled"}, f"RAY_AUTH_MODE=disabled, but the Ray cluster at {head} uses token"),
         (["run", "--launcher", "ray", "--ray-address", f"127.0.0.1:{web.server_address[1]}", "--", "--model", "mlp"],
          {}, "is not a Ray cluster's head"),
+        (["run", "--launcher", "ray", "--ray-address", f"127.0.0.1:{ssh.server_address[1]}", "--", "--model", "mlp"],
+         {}, "is not a Ray cluster's head"),
+        # an address from the environment is named as such, not blamed on the option
+        (["run", "--launcher", "ray", "--", "--model", "mlp"], {"RAY_ADDRESS": closed}, "(RAY_ADDRESS: "),
     ]
     try:
         for args, env, expected in [c if len(c) == 3 else (c[0], {}, c[1]) for c in cases]:
@@ -192,7 +219,9 @@ def test_ray_refusals_are_one_line_before_anything_runs(head, tmp_path):
             assert "Traceback" not in proc.stderr and time.monotonic() - started < 60, args
     finally:
         web.shutdown()
+        ssh.shutdown()
     assert not (tmp_path / "ck").exists() and not (tmp_path / "home").exists()
+    assert not (tmp_path / "o3").exists(), "a sweep refused for its size wrote its trials"
     # Ray not installed: the same one line from every Ray option, naming the extra
     hidden = subprocess.run([sys.executable, "-c", "import sys; sys.modules['ray'] = None; "
                              "from hvdkit.cli import main; sys.argv = ['hvdkit'] + sys.argv[1:]; main()",

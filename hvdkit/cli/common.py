@@ -155,15 +155,19 @@ def ray_options(f: Callable[..., Any]) -> Callable[..., Any]:
 def ray_spec(np: int, ray_address: str | None, ray_placement: str, cpus_per_task: int, gpus_per_task: int) -> Any:
     """The options of :func:`ray_options` as a checked :class:`hvdkit.rayrun.cluster.RaySpec`;
     Ray installed and the address answering, or a one-line usage error."""
+    from click.core import ParameterSource
+
     from ..errors import ConfigError
     from ..rayrun.cluster import RaySpec, probe_address, require_ray
 
+    ctx = click.get_current_context(silent=True)
+    from_env = ctx is not None and ctx.get_parameter_source("ray_address") == ParameterSource.ENVIRONMENT
     try:
         spec = RaySpec(np=np, address=ray_address or None, placement=ray_placement,
                        cpus_per_task=float(cpus_per_task), gpus_per_task=float(gpus_per_task))
         require_ray()
-        if spec.address:
-            probe_address(spec.address)
+        if spec.address:  # named as the user gave it: an exported RAY_ADDRESS is not an option they typed
+            probe_address(spec.address, source="RAY_ADDRESS" if from_env else "--ray-address")
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     return spec

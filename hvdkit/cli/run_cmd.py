@@ -16,7 +16,7 @@ import click
 from ..advice import MEASURED
 from ..backends.traits import DEFAULT_BACKEND, LAUNCHABLE
 from ..environments import check_network_interface
-from ..errors import ConfigError
+from ..errors import ConfigError, LauncherEnvError
 from ..fileio import write_text_atomic
 from ..launch.discovery import DEFAULT_ELASTIC_TIMEOUT, discover, elastic_interface
 from ..launch.local import (
@@ -218,7 +218,7 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     if iface:  # the launcher itself talks over it too: catch a wrong name before anything starts
-        check_network_interface({IFACE_VAR: check_iface_name(iface)})
+        _check_iface(iface)
     if is_program(args):
         check_program(args)
     else:
@@ -250,6 +250,14 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
     sys.exit(outcome.returncode)
 
 
+def _check_iface(iface: str) -> None:
+    """--iface names an interface this host has: a usage error (exit 2) otherwise."""
+    try:
+        check_network_interface({IFACE_VAR: check_iface_name(iface)})
+    except (ConfigError, LauncherEnvError) as exc:
+        raise click.UsageError(str(exc)) from None
+
+
 def run_on_ray(np: int, backend: str, args: tuple[str, ...], address: str | None, placement: str, cpus: int,
                gpus: int, elastic: bool, hosts: str | None, dry_run: bool, log_dir: str | None, tty: bool,
                iface: str | None) -> None:
@@ -267,7 +275,7 @@ def run_on_ray(np: int, backend: str, args: tuple[str, ...], address: str | None
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     if iface:  # before Ray starts: a wrong name would fail every rank after it did
-        check_network_interface({IFACE_VAR: check_iface_name(iface)})
+        _check_iface(iface)
     if is_program(args):
         check_program(args)
         program = list(args)

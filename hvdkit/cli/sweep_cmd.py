@@ -271,25 +271,28 @@ def _sweep_on_ray(out_dir: Path, spec: SweepSpec, backend: str, ray: RaySpec, re
     """The trials as one Ray Tune experiment (hvdkit.rayrun.tune); resumed from out_dir with ``resume``.
     Preempted (USR1): exits 75 once every running trial has checkpointed and the experiment is saved."""
     from ..preemption import EXIT_PREEMPTED
-    from ..rayrun.cluster import connect
+    from ..rayrun.cluster import check_fits, connect
+    from ..rayrun.layout import EXPERIMENT, TUNE_DIR, TUNER_STATE
     from ..rayrun.tune import run_tune
     from ..sweep import expand_trials, read_spec, write_trials
 
     if resume:
-        if not (out_dir / "tune").is_dir():
-            raise click.UsageError(f"{out_dir} holds no Ray sweep to resume (no tune/). "
-                                   "HINT: pass the --out of an earlier 'hvdkit sweep --engine ray'")
+        if not (out_dir / TUNE_DIR / EXPERIMENT / TUNER_STATE).is_file():
+            raise click.UsageError(f"{out_dir} holds no Ray sweep to resume (no {TUNE_DIR}/{EXPERIMENT}/"
+                                   f"{TUNER_STATE}). HINT: pass the --out of an earlier 'hvdkit sweep --engine ray'")
         try:
             spec = read_spec(out_dir)
         except ConfigError as exc:
             raise click.UsageError(f"--resume: {exc}") from None
-        trials = expand_trials(spec)
-    else:
-        trials = write_trials(out_dir, spec)
-        click.echo(f"{len(trials)} trials written to {out_dir / 'trials'}", err=True)
     started = time.monotonic()
     try:
         with connect(ray):
+            check_fits(ray, "a trial")  # GPUs, spread: refused before a trial is written to --out
+            if resume:
+                trials = expand_trials(spec)
+            else:
+                trials = write_trials(out_dir, spec)
+                click.echo(f"{len(trials)} trials written to {out_dir / 'trials'}", err=True)
             summary = run_tune(out_dir, spec, trials, backend, ray, resume=resume, max_failures=max_failures)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import socket
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -66,22 +67,25 @@ def require_ray() -> None:
         raise ConfigError("Ray is not installed in this environment", RAY_EXTRA)
 
 
-def probe_address(address: str, timeout: float = CONNECT_TIMEOUT_S) -> dict[str, str]:
+def probe_address(address: str, timeout: float = CONNECT_TIMEOUT_S, source: str = "--ray-address") -> dict[str, str]:
     """A TCP connection to the cluster's GCS at ``address`` (host:port) within ``timeout`` s,
     then how to join it: the ``RAY_AUTH_*`` variables to set before Ray is imported
-    (:func:`hvdkit.rayrun.auth.join_env`; a missing or wrong token is one line)."""
+    (:func:`hvdkit.rayrun.auth.join_env`; a missing or wrong token is one line). ``source``:
+    where the address came from (the option, or RAY_ADDRESS), as every message names it."""
     if address.startswith("ray://"):
-        raise ConfigError(f"--ray-address {address}: Ray Client (ray://) is not supported",
+        raise ConfigError(f"{source} {address}: Ray Client (ray://) is not supported",
                           "give the head's GCS address host:6379, from a machine of the cluster")
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"--ray-address {address!r} is not host:port", "e.g. --ray-address node1:6379")
+    if not host or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536:
+        example = f"{source}=node1:6379" if source.isupper() else f"{source} node1:6379"  # a variable, or the option
+        raise ConfigError(f"{source} {address!r} is not host:port", f"e.g. {example}")
     try:
         socket.create_connection((host, int(port)), timeout=timeout).close()
-    except OSError as exc:
-        raise ConfigError(f"no Ray cluster answers at {address} ({exc.strerror or exc})",
-                          "check the address 'ray start --head' printed, or leave --ray-address out "
-                          "to start a local instance") from None
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"no Ray cluster answers at {address} ({source}: "
+                          f"{getattr(exc, 'strerror', None) or exc})",
+                          "check the address 'ray start --head' printed, or leave it out to start a local "
+                          "instance") from None
     return join_env(address)
 
 

@@ -4,7 +4,7 @@ and the sbatch renderer (:mod:`hvdkit.launch.slurm`) share. Imports nothing.
 """
 
 __all__ = ["TUNE_DIR", "EXPERIMENT", "STATE_GLOB", "PREEMPT_FLAG", "PREEMPTED_DIR", "PREEMPTED_MARK",
-           "PREEMPT_GRACE_S"]
+           "PREEMPT_GRACE_S", "TUNER_STATE"]
 
 TUNE_DIR = "tune"          # under the sweep's --out: Tune's storage
 EXPERIMENT = "experiment"  # its one experiment's name (Tuner.restore reads DIR/tune/experiment)
@@ -13,3 +13,4 @@ PREEMPT_FLAG = "preempting"      # under --out: the driver got USR1; trials chec
 PREEMPTED_DIR = "preempted"      # under --out/trials: one file per trial whose ranks have stopped
 PREEMPTED_MARK = "preempted"     # in an attempt's checkpoint dir: its ranks checkpointed at the signal
 PREEMPT_GRACE_S = 60.0           # the most the driver waits for them (Slurm's --signal gives 90 s)
+TUNER_STATE = "tuner.pkl"  # in DIR/tune/EXPERIMENT: what Tuner.restore needs (Ray's Tuner.can_restore looks for it)

@@ -36,7 +36,7 @@ from ..errors import ConfigError
 from ..observe import EPOCH_EVENTS_VAR, EPOCH_TAG
 from ..preemption import EXIT_PREEMPTED
 from ..sweep import SweepSpec, perturb_ranges, trial_args
-from .cluster import RaySpec, check_fits, worker_env
+from .cluster import RaySpec, worker_env
 from .layout import EXPERIMENT, PREEMPT_FLAG, PREEMPTED_DIR, PREEMPTED_MARK, TUNE_DIR
 
 __all__ = ["run_tune", "check_ray_sweep"]
@@ -239,8 +239,7 @@ def run_tune(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend: 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"ray\.tune")
     from ray import tune
 
-    bundles = [TRIAL_BUNDLE] + [ray_spec.bundle] * ray_spec.np
-    check_fits(ray_spec, "a trial")
+    bundles = [TRIAL_BUNDLE] + [ray_spec.bundle] * ray_spec.np  # the caller checked that one fits (check_fits)
     flag = out / PREEMPT_FLAG
     flag.unlink(missing_ok=True)  # a requeued job's: the trials run again
     shutil.rmtree(out / "trials" / PREEMPTED_DIR, ignore_errors=True)
