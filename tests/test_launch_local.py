@@ -131,6 +131,40 @@ def test_launcher_tags_are_dropped_where_they_say_nothing(line, shown):
     assert untagged(line) == shown
 
 
+def test_chunks_of_two_ranks_on_one_line_are_put_back_into_each_ranks_lines(tmp_path):
+    """#44 class 12: Open MPI tags each chunk as it comes, so rank 0's error ran on into rank 1's
+    traceback and its message ended a line later; the closing line held '[1,0]<stderr>:' tags
+    and half of two lines. Each rank's text is now held until its own newline."""
+    import io
+
+    from hvdkit.launch.output import ConsoleLog, Rejoiner
+
+    r = Rejoiner()
+    assert r.feed("[1,0]<stderr>:Error: backend 'Horovod' is not known[1,1]<stderr>:Traceback (most recent "
+                  "call last):\n") == ["[1,1]<stderr>:Traceback (most recent call last):\n"]
+    assert r.feed("[1,0]<stderr>: HINT: use one of: horovod\n") == [
+        "[1,0]<stderr>:Error: backend 'Horovod' is not known HINT: use one of: horovod\n"]
+    assert r.feed("[1,0]<stdout>:epoch 2[1,0]<stdout>:\n") == ["[1,0]<stdout>:epoch 2\n"]  # a flushed newline
+    assert r.feed("plain\n") == ["plain\n"] and r.feed("[rank0]: torch's\n") == ["[rank0]: torch's\n"]
+    assert r.feed("[1,1]<stderr>:unfinished") == ["[1,1]<stderr>:unfinished"] and r.flush() == []
+    assert r.feed("[1,0]<stderr>:half[1,1]<stderr>:x\n") == ["[1,1]<stderr>:x\n"]
+    assert r.flush() == ["[1,0]<stderr>:half\n"]
+    # through the console: one closing line, no tags in it, no traceback shown
+    err = io.StringIO()
+    console = ConsoleLog(str(tmp_path), out=io.StringIO(), err=err)
+    for line in ["[1,1]<stderr>:Traceback (most recent call last):\n",
+                 "[1,1]<stderr>:  File \"own.py\", line 3, in <module>\n",
+                 "[1,1]<stderr>:hvdkit.errors.ConfigError[1,0]<stderr>:Traceback (most recent call last):\n",
+                 "[1,0]<stderr>:  File \"own.py\", line 3, in <module>\n",
+                 "[1,1]<stderr>:: backend 'Horovod' is not known\n",
+                 "[1,0]<stderr>:hvdkit.errors.ConfigError: backend 'Horovod' is not known\n"]:
+        console.feed(line)
+    closing = console.close(1).closing_line()
+    assert closing.startswith("Error: job failed (exit 1): hvdkit.errors.ConfigError: backend 'Horovod' is not "
+                              "known [full output: ") and "<stderr>" not in closing, closing
+    assert err.getvalue() == "", err.getvalue()
+
+
 @pytest.mark.mp
 @pytest.mark.timeout(300)  # measured 12 s (2 cores)
 @pytest.mark.parametrize("backend", ["horovod", "ddp"])

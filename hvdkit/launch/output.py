@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-__all__ = ["ConsoleFilter", "ConsoleLog", "RunOutcome", "run_with_log"]
+__all__ = ["ConsoleFilter", "ConsoleLog", "Rejoiner", "RunOutcome", "run_with_log"]
 
 # horovodrun's Gloo controller tags worker lines "[0]<stderr>:", its MPI controller (mpirun
 # --tag-output) "[1,0]<stderr>:"; torch tags tracebacks "[rank0]: "
@@ -43,6 +43,35 @@ def _tag_rank(tag: str) -> int | None:
     """The rank a tag names: ``[r]<...>`` (horovodrun, Ray), ``[job,r]<...>`` (mpirun), ``[rankr]:``."""
     numbers = re.findall(r"\d+", tag)
     return int(numbers[-1]) if numbers else None
+
+
+class Rejoiner:
+    """Whole lines, one source each, from Open MPI's tagged chunks. It tags every chunk a rank
+    writes, as it comes: a rank's line can run on into another's (``[1,0]<stderr>:...Error[1,1]
+    <stderr>:  File ...``) and end later (``[1,0]<stderr>:: the message``), and a flushed
+    newline arrives as a chunk of its own. Each source's unfinished text is held until its
+    newline."""
+
+    def __init__(self) -> None:
+        self.partial: dict[str, str] = {}
+
+    def feed(self, line: str) -> list[str]:
+        """The whole lines that ``line`` (one line of the launcher's pipe) completes."""
+        m = _TAG.match(line)
+        if not m or not _TAG_INSIDE.match(m.group(1)):
+            return [line]
+        marks = list(_TAG_INSIDE.finditer(line))
+        for mark, after in zip(marks, [*marks[1:], None]):
+            tag, text = mark.group(0), line[mark.end():after.start() if after else len(line)]
+            self.partial[tag] = self.partial.get(tag, "") + text
+        tag = marks[-1].group(0)  # the line's newline ends this source's line
+        return [tag + self.partial.pop(tag)]
+
+    def flush(self) -> list[str]:
+        """What is left unfinished at the end, one line per source."""
+        left = [tag + text + "\n" for tag, text in self.partial.items() if text]
+        self.partial.clear()
+        return left
 
 
 def untagged(line: str) -> str:
@@ -163,28 +192,36 @@ class ConsoleLog:
                                                   delete=False)
         self.log = Path(self.handle.name)
         self.keep = ConsoleFilter()
+        self.rejoin = Rejoiner()
         self.lock = threading.Lock()
         self.out, self.err = out, err
 
     def feed(self, line: str, sink: IO[str] | None = None) -> None:
         """One line (with its newline) as a launcher printed it; ``sink``: its stream (stdout)."""
         with self.lock:
-            if self.relay is not None and self.relay.feed(line):
-                return  # drawn as the bar; not a line of the log
-            self.handle.write(line)
-            shown = self.keep(line)
-            if shown is not None:
-                # horovodrun tags say which stream a worker used; honour them
-                target = self.err if "<stderr>:" in shown[:16] else (sink or self.out)
-                shown = untagged(shown)
-                if self.relay is not None:
-                    self.relay.write(shown, target)
-                else:
-                    target.write(shown)
-                    target.flush()
+            for whole in self.rejoin.feed(line):
+                self._one(whole, sink)
+
+    def _one(self, line: str, sink: IO[str] | None) -> None:
+        if self.relay is not None and self.relay.feed(line):
+            return  # drawn as the bar; not a line of the log
+        self.handle.write(line)
+        shown = self.keep(line)
+        if shown is not None:
+            # horovodrun tags say which stream a worker used; honour them
+            target = self.err if "<stderr>:" in shown[:16] else (sink or self.out)
+            shown = untagged(shown)
+            if self.relay is not None:
+                self.relay.write(shown, target)
+            else:
+                target.write(shown)
+                target.flush()
 
     def close(self, code: int) -> RunOutcome:
         """The outcome; the log is kept when the job failed and removed when it succeeded."""
+        with self.lock:
+            for whole in self.rejoin.flush():
+                self._one(whole, None)
         if self.relay is not None:
             self.relay.close()
         self.handle.close()
