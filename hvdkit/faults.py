@@ -5,12 +5,16 @@ SIGKILL, a lost node) lands exactly there instead of wherever a timer happens to
 without ``:N``) it reaches the point called NAME, after printing one line
 ``[hvdkit] holding at NAME N (pid P)`` to stderr. It waits until the file named by
 ``HVDKIT_HOLD_RELEASE`` exists, or with ``HVDKIT_HOLD_RELEASE=signal`` until a signal handler
-has run in this process (a preemption signal has certainly arrived), or forever without one
+has run in this process (a preemption signal has certainly arrived), with
+``HVDKIT_HOLD_RELEASE=stop-file`` until ``$HVDKIT_STOP_FILE`` exists (the launcher has asked
+the ranks to stop), or forever without one
 (to be killed there). Signals are still handled while it waits. Unset, a hold point costs one dictionary lookup.
 
-Points: ``step`` (before each optimizer step of ``hvdkit train``; N is the global step number,
-counted from 1, so a resumed run does not hold again) and ``checkpoint-write`` (half-way
-through writing a checkpoint's temporary file).
+Points: ``setup`` (the start of ``hvdkit train``, before the ranks meet), ``launch`` (``hvdkit
+run``, its signal handlers in place, before it starts the ranks), ``step`` (before each
+optimizer step of ``hvdkit train``; N is the global step number, counted from 1, so a resumed
+run does not hold again) and ``checkpoint-write`` (half-way through writing a checkpoint's
+temporary file).
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ def hold_point(name: str, at: int | None = None) -> None:
     if nth and number != int(nth):
         return
     release = os.environ.get(RELEASE_VAR)
+    if release == "stop-file":  # until the launcher asks the ranks to stop (a preemption in start-up)
+        from .launch.vocabulary import STOP_FILE_VAR
+
+        release = os.environ.get(STOP_FILE_VAR)
     if release == "signal":
         _hold_until_a_handler_ran(f"[hvdkit] holding at {name} {number} (pid {os.getpid()})\n")
         return

@@ -127,6 +127,7 @@ def train(cfg: TrainConfig, backend: Backend | None = None,
           log: Callable[[str], None] = result_line) -> TrainResult:
     """Run one training job; collective, so every rank must call it."""
     owns_backend = backend is None
+    hold_point("setup")  # a fault lands here, before the ranks meet (tests of preemption during start-up)
     backend = backend or create_backend(cfg.backend)
     seen = [backend.rank]
 

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from .backends.base import Backend
     from .checkpoint import CheckpointManager
 
-__all__ = ["Preemption", "Preempted", "PreemptionGuard", "catch_early", "requeue_slurm_job",
+__all__ = ["Preemption", "Preempted", "PreemptionGuard", "catch_early", "pending_stop", "requeue_slurm_job",
            "EXIT_PREEMPTED", "STOP_FILE_VAR", "REQUEUE_SIGNALS", "STOP_SIGNALS"]
 
 # Exit status of a run that stopped early on a signal (checkpoint saved) and was NOT
@@ -78,6 +78,12 @@ def catch_early() -> None:
     for sig in REQUEUE_SIGNALS:
         if signal.getsignal(sig) in (signal.SIG_DFL, None):
             signal.signal(sig, _remember)
+
+
+def pending_stop() -> int | None:
+    """The first USR1/USR2 :func:`catch_early` remembered in this process (not consumed), if any:
+    a launcher asked to stop before it started its ranks starts none."""
+    return next((sig for sig in _pending if sig in REQUEUE_SIGNALS), None)
 
 
 class PreemptionGuard:

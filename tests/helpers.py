@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -442,3 +443,29 @@ def elastic_one_host(tmp_path: Path, host: str, prefix: Sequence[str] = (), env:
     assert proc.returncode == 0 and phase[0] == 3, f"see {tmp_path / 'run.log'}: " + text[-3000:]
     resets = [(int(w), int(s)) for w, s in re.findall(r"reset: rank 0 of (\d) .*?committed step (\d+)", text)]
     return text, resets, first_worker[0] or float("inf")
+
+
+def start_up_preemption(tmp_path: Path, launcher: list[str], point: str,
+                        env: dict[str, str] | None = None) -> tuple[int, str, Path]:
+    """#44 class 10: USR1 to ``hvdkit run`` while the job starts. ``launch``: the launcher holds
+    with its handlers in place and nothing started; ``setup``: both ranks hold before they meet
+    (no preemption handler of their own yet). Returns (exit code, output, checkpoint dir)."""
+    ck = tmp_path / "ck"
+    # the ranks go on once the launcher has asked them to stop (the stop file they read)
+    full = base_env(**(env or {}), HVDKIT_HOLD=point,
+                    HVDKIT_HOLD_RELEASE="signal" if point == "launch" else "stop-file")
+    proc = subprocess.Popen([*HVDKIT, "run", "-np", "2", *launcher, "--", "--model", "tiny", "--epochs", "1",
+                             "--num-samples", "256", "--checkpoint-dir", str(ck)], env=full, cwd=tmp_path,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        holding = 1 if point == "launch" else 2
+        wait_until(lambda: sum(f"holding at {point}" in ln for ln in lines) >= holding, 120, f"the {point} hold")
+        proc.send_signal(signal.SIGUSR1)  # to the launcher, as Slurm's batch shell or a user does
+        code = proc.wait(timeout=180)
+        reader.join(timeout=30)
+    finally:
+        stop_process_group(proc)
+    return code, "".join(lines), ck

@@ -8,7 +8,17 @@ import time
 
 import pytest
 
-from helpers import HVDKIT, base_env, bit_rotten_dataset, free_port, kill_job, launch, launch_metrics, spawn
+from helpers import (
+    HVDKIT,
+    base_env,
+    bit_rotten_dataset,
+    free_port,
+    kill_job,
+    launch,
+    launch_metrics,
+    spawn,
+    start_up_preemption,
+)
 
 
 @pytest.mark.mp
@@ -71,3 +81,18 @@ def test_an_exception_on_one_rank_ends_every_rank_promptly(tmp_path, kind, backe
     assert re.search(rf"Error: rank [01]/2 \({backend}\) on {socket.gethostname()} failed: OSError: "
                      r"Can't synchronously read data", proc.stdout), proc.stdout[-3000:]
     assert took < 60, (took, proc.stdout[-2000:])                     # not the 900 s timeout
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(400)  # measured 5-9 s each on 2 cores
+@pytest.mark.parametrize("launcher,point", [(["--backend", "ddp"], "setup"), (["--backend", "horovod"], "setup"),
+                                            (["--backend", "horovod"], "launch")],
+                         ids=["mpirun-setup", "horovodrun-setup", "launcher-before-start"])
+def test_a_preemption_while_the_job_starts_stops_it_cleanly(tmp_path, launcher, point):
+    code, out, ck = start_up_preemption(tmp_path, launcher, point)
+    assert code == 75, out  # never 138 (killed by the signal), and nothing left unsupervised
+    if point == "launch":
+        assert "preempted (exit 75) before the ranks started: nothing ran" in out and not ck.exists(), out
+    else:  # the ranks, still starting, took it as the stop file and stopped at their first step
+        assert "the ranks saved a checkpoint at step 1" in out and (ck / "ckpt-000000001.h5").is_file(), out
+    assert "Traceback" not in out and "User defined signal" not in out, out

@@ -132,6 +132,24 @@ def test_ray_run_relays_a_preemption_signal_and_the_resumed_run_ends_on_the_same
     assert DIGEST.search(resumed.stdout).group(1) == DIGEST.search(straight.stdout).group(1)
 
 
+@pytest.mark.mp
+@pytest.mark.timeout(400)  # measured 9-12 s each on 2 cores
+@pytest.mark.parametrize("point", ["launch", "setup"])
+def test_a_preemption_while_ray_starts_the_ranks_stops_them_cleanly(head, tmp_path, point):
+    """#44 class 10 on Ray: USR1 before any rank started exits 75 and starts none; USR1 while the
+    ranks hold in set-up (no handler of their own yet) reaches them as their stop file, and they
+    checkpoint at their first step. It was rc 246 ('the launcher exited with status -10')."""
+    from helpers import start_up_preemption
+
+    code, out, ck = start_up_preemption(tmp_path, ["--launcher", "ray", "--ray-address", head, "--backend", "ddp"],
+                                        point, env=JOIN_ENV)
+    assert code == 75, out
+    if point == "launch":
+        assert "preempted (exit 75) before the ranks started: nothing ran" in out and not ck.exists(), out
+    else:
+        assert "the ranks saved a checkpoint at step 1" in out and (ck / "ckpt-000000001.h5").is_file(), out
+
+
 @pytest.mark.timeout(300)  # measured 25 s on 2 cores
 def test_ray_refusals_are_one_line_before_anything_runs(head, tmp_path):
     from hvdkit.environments import find_free_port

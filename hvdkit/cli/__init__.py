@@ -51,6 +51,13 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: one line per error; exit 2 for usage, 1 for runtime errors."""
     from ..log import install_console
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["run"], ["train"]):
+        # a preemption signal (USR1/USR2) from here on is remembered, never fatal: the launcher
+        # then starts no ranks, a rank stops at its first step (hvdkit.preemption)
+        from ..preemption import catch_early
+
+        catch_early()
     install_console()  # the command is an application: hvdkit's lines go to this console
     try:
         code = cli.main(args=argv, prog_name="hvdkit", standalone_mode=False)

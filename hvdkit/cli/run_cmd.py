@@ -8,6 +8,7 @@ import importlib.util
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,15 @@ from ..launch.local import (
     training_program,
 )
 from ..launch.output import run_with_log
-from ..launch.vocabulary import BACKEND_VAR, CONSOLE_TTY_VAR, IFACE_VAR, check_iface_name, iface_env, train_env_var
+from ..launch.vocabulary import (
+    BACKEND_VAR,
+    CONSOLE_TTY_VAR,
+    IFACE_VAR,
+    STOP_FILE_VAR,
+    check_iface_name,
+    iface_env,
+    train_env_var,
+)
 from ..log import debug, diag
 from .common import (
     RAY_OPTIONS,
@@ -239,8 +248,17 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
         click.echo(f"wrote {path}", err=True)
         return
     argv[0] = resolve_launcher(argv[0])
+    # hvdkit train's ranks on this machine take a preemption as a file they look for at each
+    # step: a rank still starting up has no handler yet, and a signal would kill it (#44)
+    stop_file = None
+    if not is_program(args) and _all_local(hosts):
+        stop_file = os.environ.get(STOP_FILE_VAR) or str(Path(log_dir or tempfile.gettempdir()) /
+                                                         f"hvdkit-stop-{os.getpid()}")
+        env[STOP_FILE_VAR] = stop_file
+        if chosen == "mpirun":
+            argv[1:1] = ["-x", STOP_FILE_VAR]
     try:
-        outcome = run_with_log(argv, {**os.environ, **env}, log_dir=log_dir, progress=tty)
+        outcome = run_with_log(argv, {**os.environ, **env}, log_dir=log_dir, progress=tty, stop_file=stop_file)
     except FileNotFoundError:
         raise click.ClickException(
             f"{argv[0]} not found. HINT: run ./scripts/setup.sh (installs Open MPI and Horovod) "
@@ -248,6 +266,14 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
     if outcome.returncode != 0:
         click.echo(outcome.closing_line(), err=True)
     sys.exit(outcome.returncode)
+
+
+def _all_local(hosts: str | None) -> bool:
+    """Every rank runs on this machine (no -H, or only this host in it)."""
+    import socket
+
+    here = {"localhost", "127.0.0.1", socket.gethostname(), socket.gethostname().split(".")[0]}
+    return hosts is None or all(h.split(":")[0] in here for h in hosts.split(",") if h)
 
 
 def _check_iface(iface: str) -> None:

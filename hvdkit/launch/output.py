@@ -10,6 +10,7 @@ output, untouched, goes to a log file whose name the closing line gives.
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -17,7 +18,9 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+
+from ..preemption import EXIT_PREEMPTED
 
 __all__ = ["ConsoleFilter", "ConsoleLog", "Rejoiner", "RunOutcome", "run_with_log"]
 
@@ -144,12 +147,14 @@ class RunOutcome:
     errors: list[str]
     causes: list[str]
     preempted_at: int | None = None
+    started: bool = True  # False: a preemption signal came before the ranks were started
 
     def closing_line(self) -> str:
         """What 'hvdkit run' prints last for a run that did not succeed: a preemption (exit 75)
         is not a failure, the rest is one Error: line."""
-        from ..preemption import EXIT_PREEMPTED
-
+        if not self.started:
+            return ("preempted (exit 75) before the ranks started: nothing ran and nothing was saved; run the "
+                    "same command again (it resumes from the last checkpoint, if there is one)")
         if self.returncode == EXIT_PREEMPTED:
             where = f" at step {self.preempted_at}" if self.preempted_at is not None else ""
             return (f"preempted (exit 75): the ranks saved a checkpoint{where} and stopped, not requeued; "
@@ -193,6 +198,7 @@ class ConsoleLog:
         self.log = Path(self.handle.name)
         self.keep = ConsoleFilter()
         self.rejoin = Rejoiner()
+        self.started = True
         self.lock = threading.Lock()
         self.out, self.err = out, err
 
@@ -217,6 +223,10 @@ class ConsoleLog:
                 target.write(shown)
                 target.flush()
 
+    def not_started(self) -> None:
+        """A preemption came before the ranks were started: none will be (see RunOutcome.started)."""
+        self.started = False
+
     def close(self, code: int) -> RunOutcome:
         """The outcome; the log is kept when the job failed and removed when it succeeded."""
         with self.lock:
@@ -227,20 +237,89 @@ class ConsoleLog:
         self.handle.close()
         if code == 0:
             self.log.unlink(missing_ok=True)
-        return RunOutcome(code, self.log, self.keep.errors, self.keep.causes, self.keep.preempted_at)
+        return RunOutcome(code, self.log, self.keep.errors, self.keep.causes, self.keep.preempted_at, self.started)
+
+
+class _Forwarder:
+    """The launcher's handlers for USR1, USR2 and TERM, installed before it starts anything.
+
+    A signal before the launched process exists is remembered (:attr:`early`); after, USR1 and
+    USR2 become ``stop_file`` when one is given (the ranks of ``hvdkit train`` look for it at
+    each step, so a rank still starting up is never killed by a signal it has no handler for
+    yet), and everything else is passed on to the process."""
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+
+    def __init__(self, stop_file: str | None) -> None:
+        self.stop_file = stop_file
+        self.early: list[int] = []
+        self.proc: subprocess.Popen[str] | None = None
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Forwarder:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._on)
+        return self
+
+    def _on(self, sig: int, _frame: Any) -> None:
+        if self.proc is None:
+            self.early.append(sig)
+        else:
+            self._deliver(sig)
+
+    def _deliver(self, sig: int) -> None:
+        from ..preemption import REQUEUE_SIGNALS
+
+        assert self.proc is not None
+        if self.stop_file and sig in REQUEUE_SIGNALS:
+            Path(self.stop_file).touch()
+        elif self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def to(self, proc: subprocess.Popen[str]) -> None:
+        """From now on signals go to ``proc``; any that came while it was being started, too."""
+        self.proc = proc
+        for sig in self.early:
+            self._deliver(sig)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, previous in self.previous.items():
+            signal.signal(sig, previous)
+        if self.stop_file:
+            Path(self.stop_file).unlink(missing_ok=True)
 
 
 def run_with_log(argv: Sequence[str], env: Mapping[str, str], log_dir: str | None = None,
-                 out: IO[str] = sys.stdout, err: IO[str] = sys.stderr, progress: bool = False) -> RunOutcome:
+                 out: IO[str] = sys.stdout, err: IO[str] = sys.stderr, progress: bool = False,
+                 stop_file: str | None = None) -> RunOutcome:
     """Run ``argv``; filtered lines to ``out``/``err``, everything to a log file.
 
     With ``progress`` rank 0's ``[hvdkit-progress]`` lines become a progress bar on ``err``
     (hvdkit.observe.ProgressRelay) instead of lines. The log is kept when the job fails and
-    removed when it succeeds.
+    removed when it succeeds. USR1/USR2/TERM are caught from the start (:class:`_Forwarder`):
+    before the launch they mean "start nothing, exit 75"; after it they reach the ranks,
+    USR1/USR2 as ``stop_file`` where the ranks read one (``$HVDKIT_STOP_FILE``).
     """
+    from ..faults import hold_point
+    from ..preemption import pending_stop
+
     console = ConsoleLog(log_dir, out, err, progress)
-    proc = subprocess.Popen(list(argv), env=dict(env), text=True, bufsize=1,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with _Forwarder(stop_file) as forward:
+        hold_point("launch")  # a fault lands here: the handlers are in place, nothing started
+        if pending_stop() is not None or forward.early:
+            # asked to stop before anything started: start nothing (a requeued job that is
+            # preempted again while it starts resumes from its last checkpoint next time)
+            console.not_started()
+            return console.close(EXIT_PREEMPTED)
+        proc = subprocess.Popen(list(argv), env=dict(env), text=True, bufsize=1,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        forward.to(proc)
+        return _pumped(proc, console, out, err)
+
+
+def _pumped(proc: subprocess.Popen[str], console: ConsoleLog, out: IO[str], err: IO[str]) -> RunOutcome:
+    """Feed ``proc``'s lines to ``console`` until it exits; its outcome."""
 
     def pump(stream: IO[str], sink: IO[str]) -> None:
         for line in stream:

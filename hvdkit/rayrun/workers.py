@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from ..backends.traits import traits
@@ -46,11 +47,20 @@ def run_rank(program: Sequence[str], env: Mapping[str, str], cwd: str, rank: int
 
     ``rank`` None: Horovod's runner set ``HOROVOD_RANK`` in this worker. Returns the exit code.
     """
+    import tempfile
+
     import ray
+
+    from ..launch.vocabulary import STOP_FILE_VAR
+    from ..preemption import REQUEUE_SIGNALS
 
     rank = int(os.environ["HOROVOD_RANK"]) if rank is None else rank
     argv = [sys.executable if a == PYTHON else a for a in program]
-    proc = subprocess.Popen(argv, env={**os.environ, **env}, cwd=cwd, text=True, bufsize=1,
+    # hvdkit train takes a preemption as a file on its node, looked for at each step: a rank
+    # still starting up has no handler yet, and a signal would kill it (exit -10, no checkpoint)
+    stop = Path(tempfile.gettempdir()) / f"hvdkit-stop-{os.getpid()}-{rank}" if _is_hvdkit_train(program) else None
+    extra = {STOP_FILE_VAR: str(stop)} if stop is not None else {}
+    proc = subprocess.Popen(argv, env={**os.environ, **env, **extra}, cwd=cwd, text=True, bufsize=1,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
     lines: list[tuple[int, str, str]] = []
     lock = threading.Lock()
@@ -77,12 +87,22 @@ def run_rank(program: Sequence[str], env: Mapping[str, str], cwd: str, rank: int
         time.sleep(0.2)
         signals = exchange()
         for sig in signals:
-            proc.send_signal(sig)
+            if stop is not None and sig in REQUEUE_SIGNALS:
+                stop.touch()
+            else:
+                proc.send_signal(sig)
         seen += len(signals)
     for t in pumps:
         t.join()
     exchange()
+    if stop is not None:
+        stop.unlink(missing_ok=True)
     return int(proc.returncode)
+
+
+def _is_hvdkit_train(program: Sequence[str]) -> bool:
+    """``python -m hvdkit train ...``: the ranks read ``$HVDKIT_STOP_FILE``."""
+    return any(list(program[i:i + 3]) == ["-m", "hvdkit", "train"] for i in range(len(program)))
 
 
 class _Relay:
@@ -223,12 +243,21 @@ def run_job(spec: RaySpec, backend: str, program: Sequence[str], env: Mapping[st
     exit code: the first rank's that failed, else 0."""
     import ray
 
-    relay: Any = ray.remote(_Relay).options(**_outside_placement_group()).remote()
+    from ..faults import hold_point
+    from ..preemption import EXIT_PREEMPTED, pending_stop
+
     caught: list[int] = []
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in RELAYED_SIGNALS:
             previous[sig] = signal.signal(sig, lambda s, _f: caught.append(s))
+    hold_point("launch")  # a fault lands here: the handlers are in place, no rank started
+    if pending_stop() is not None or caught:  # a preemption before any rank started: start none
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        console.not_started()
+        return EXIT_PREEMPTED
+    relay: Any = ray.remote(_Relay).options(**_outside_placement_group()).remote()
     group = _group(backend, spec, env)
     refs = group.launch(program, cwd or os.getcwd(), relay)
     rank_of = {ref: i for i, ref in enumerate(refs)}
