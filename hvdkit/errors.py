@@ -7,6 +7,11 @@ library users can catch :class:`HvdkitError`.
 
 from __future__ import annotations
 
+# hvdkit train's exit status when the loss went non-finite (hvdkit.nonfinite): a run that would
+# do the same again (the same data, weights and seed), so a sweep does not retry it
+# (hvdkit.rayrun.tune). 65 is EX_DATAERR in sysexits.h.
+EXIT_NONFINITE = 65
+
 
 class HvdkitError(RuntimeError):
     """A user-facing error: one line, what went wrong, then ``HINT: fix``.
@@ -16,6 +21,7 @@ class HvdkitError(RuntimeError):
     """
 
     echo: bool = True
+    exit_code: int = 1  # the command's exit status when this ends it
 
     def __init__(self, message: str, hint: str | None = None) -> None:
         self.message = " ".join(message.split())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .backends import Backend
-from .errors import HvdkitError
+from .errors import EXIT_NONFINITE, HvdkitError
 
 __all__ = ["NonFiniteWatch", "NonFiniteLoss", "MODES"]
 
@@ -20,7 +20,9 @@ _NEVER = torch.iinfo(torch.int64).max
 
 
 class NonFiniteLoss(HvdkitError):
-    """The loss became NaN or inf and ``--on-nonfinite stop`` ended the run."""
+    """The loss became NaN or inf and ``--on-nonfinite stop`` ended the run (exit 65)."""
+
+    exit_code = EXIT_NONFINITE
 
 
 class NonFiniteWatch:

@@ -402,6 +402,7 @@ IGNORED = [
     ("run --dry-run --ray-address 127.0.0.1:1 -- --epochs 1", "--ray-address places ranks on Ray"),
     ("run --dry-run -c 2 -- --epochs 1", "--cpus-per-task places ranks on Ray"),
     ("run --dry-run --ray-placement pack -- --epochs 1", "--ray-placement places ranks on Ray"),
+    ("run --dry-run -x HOME -- --epochs 1", "-x places ranks on Ray"),
     ("run --launcher ray --controller gloo -- --epochs 1", "--controller is an option of horovodrun and mpirun"),
     ("run --launcher ray --oversubscribe -- --epochs 1", "--oversubscribe is an option of horovodrun and mpirun"),
     ("run --dry-run --backend ddp --launcher mpirun --controller gloo -- --epochs 1", "mpirun is MPI"),

@@ -195,6 +195,8 @@ def test_ray_refusals_are_one_line_before_anything_runs(head, tmp_path):
          "training's --elastic needs Horovod Elastic's driver"),
         (["sweep", "run", str(plain), "--engine", "ray", "--resume", str(empty), "--ray-address", head],
          f"{empty} holds no Ray sweep to resume"),
+        (["run", "--launcher", "ray", "-x", "HVDKIT_TEST_UNSET", "--", "--model", "mlp"],
+         "-x HVDKIT_TEST_UNSET: this shell has no variable HVDKIT_TEST_UNSET to pass on"),
     ]
     # joining a cluster with token authentication: no token, a wrong one; and something that
     # answers TCP but is not Ray (an HTTP server)
@@ -377,6 +379,53 @@ def test_a_sweep_whose_driver_is_killed_resumes_with_tuner_restore(head, digits,
     for t in range(3):  # each trial trained from step 0 once at most
         assert (out / "trials" / f"trial-{t:03d}.log").read_text().count("start step 0,") <= 1, t
     assert "tune: restored from trial 1's checkpoint" in log.read_text()
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(600)  # measured 30 s on 2 cores
+def test_a_trial_that_would_fail_again_is_not_retried(head, digits, tmp_path):
+    """#44 class 11: a trial whose loss goes non-finite (exit 65) failed 4 times (--max-failures 2
+    plus Tune's own), each from scratch, with Ray tracebacks on a console that exited 0. It now
+    ends once, as failed, with the reason; the sweep goes on with the others."""
+    space = _space(tmp_path, digits, "nan.yaml", "grid: {lr: [0.002, 1000000.0], optimizer: [sgd]}\n", epochs=2)
+    proc = hvdkit("sweep", "run", str(space), "--engine", "ray", "-np", "1", "--ray-address", head,
+                  "--out", str(tmp_path / "out"), "--max-failures", "2", timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["status"] for r in rows] == ["completed", "failed"], rows
+    error = json.loads((tmp_path / "out" / "results" / "ray-1.json").read_text())["error"]
+    assert error.startswith("training diverged (NaN/inf loss or weights) (exit 65"), error
+    attempts = sorted(p.name for p in (tmp_path / "out" / "checkpoints" / "trial-001").glob("attempt-*"))
+    assert attempts == ["attempt-0"], attempts  # ran once
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+
+
+def test_the_ranks_get_the_variables_named_with_x_and_the_default_list():
+    """#44 class 11: Ray workers start from the raylet's environment, so HF_HOME, WANDB_MODE or
+    TORCH_HOME never reached the ranks; -x NAME passes one on, as mpirun -x does."""
+    from hvdkit.rayrun.cluster import worker_env
+
+    shell = {"PATH": "/bin", "HF_HOME": "/data/hf", "WANDB_MODE": "offline", "HVDKIT_X": "1", "SECRET": "s"}
+    assert worker_env({}, shell) == {"PATH": "/bin", "HVDKIT_X": "1"}  # the default list only
+    assert worker_env({"A": "b"}, shell, forward=("HF_HOME", "WANDB_MODE")) == {
+        "PATH": "/bin", "HVDKIT_X": "1", "HF_HOME": "/data/hf", "WANDB_MODE": "offline", "A": "b"}
+
+
+def test_a_finished_trials_record_is_what_a_resumed_sweep_reports(tmp_path):
+    """#44 class 11: a trial whose ranks completed before the driver was lost is reported from
+    its metrics file after --resume (hvdkit.rayrun.tune._finished), not trained again."""
+    from hvdkit.rayrun.tune import _finished
+
+    path = tmp_path / "ray-0.json"
+    assert _finished(path) is None  # none yet
+    path.write_text(json.dumps({"status": "completed", "history": [
+        {"epoch": 0, "loss": 1.5, "val_accuracy": 0.5}, {"epoch": 1, "loss": 0.5, "val_accuracy": 0.9}]}))
+    assert _finished(path) == {"epoch": 1, "loss": 0.5, "val_accuracy": 0.9, "final_loss": 0.5, "epochs": 2}
+    for status in ("pruned", "failed"):
+        path.write_text(json.dumps({"status": status, "history": [{"epoch": 0, "loss": 1.0}]}))
+        assert _finished(path) is None, status
+    path.write_text("{damaged")
+    assert _finished(path) is None
 
 
 def test_find_token_follows_rays_order_and_an_unreadable_path_is_one_line(tmp_path):

@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import state as states_mod
 from ..config import parse_keep_best
-from ..errors import CheckpointError, ConfigError, first_line
+from ..errors import EXIT_NONFINITE, CheckpointError, ConfigError, first_line
 from ..fileio import write_json_atomic, write_text_atomic
 from ..log import diag, warn
 from .fileformat import OpenCheckpoint, Snapshot, checkpoint_name, drain, open_checkpoint, step_of, write_checkpoint
@@ -139,18 +139,19 @@ class CheckpointManager:
     # -- collectives ----------------------------------------------------------------------
     def _agree(self, outcome: tuple[bool, Any] | None) -> Any:
         ok, value = self.backend.broadcast_object(outcome, 0)
-        if not ok:  # value is (message, hint) from rank 0's exception
+        if not ok:  # value is (message, hint, exit code) from rank 0's exception
             err = CheckpointError(f"rank 0 could not handle the checkpoint: {value[0]}", value[1])
             err.echo = self.backend.is_master  # every rank raises it; one prints it
+            err.exit_code = value[2]
             raise err
         return value
 
     @staticmethod
-    def _failure(exc: Exception) -> tuple[bool, tuple[str, str]]:
+    def _failure(exc: Exception) -> tuple[bool, tuple[str, str, int]]:
         if isinstance(exc, CheckpointError):
-            return False, (exc.message, exc.hint or "")
+            return False, (exc.message, exc.hint or "", exc.exit_code)
         return False, (f"{type(exc).__name__}: {first_line(exc)}",
-                       "check the checkpoint directory (free space, permissions)")
+                       "check the checkpoint directory (free space, permissions)", 1)
 
     def save(self, step: int, states: dict[str, Any], metrics: dict[str, float] | None = None,
              skip_nonfinite: bool = False) -> Path | None:
@@ -186,9 +187,11 @@ class CheckpointManager:
                 outcome = (True, str(path))
             except _NonFinite as bad:
                 if not skip_nonfinite:
-                    outcome = self._failure(CheckpointError(
+                    refusal = CheckpointError(
                         f"not saving step {step}: parameter {bad} holds NaN/inf; the previous checkpoints are kept",
-                        "lower --lr or check the data; resume restarts from the last finite one"))
+                        "lower --lr or check the data; resume restarts from the last finite one")
+                    refusal.exit_code = EXIT_NONFINITE  # diverged: the same run would again
+                    outcome = self._failure(refusal)
                 else:
                     warn(f"not saving step {step}: parameter {bad} holds NaN/inf; the previous checkpoints are kept")
                     outcome = (True, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import sys
 import tomllib
 from collections.abc import Callable, Iterable
@@ -95,7 +96,8 @@ def config_option(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def translate_errors(f: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn :class:`HvdkitError` into a one-line ``Error: ...`` and exit status 1."""
+    """Turn :class:`HvdkitError` into a one-line ``Error: ...`` and its exit status (1, or the
+    error's own: 65 for a non-finite loss)."""
 
     @functools.wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -103,8 +105,10 @@ def translate_errors(f: Callable[..., Any]) -> Callable[..., Any]:
             return f(*args, **kwargs)
         except HvdkitError as exc:
             if not exc.echo:  # the same error is printed by rank 0
-                sys.exit(1)
-            raise click.ClickException(str(exc)) from None
+                sys.exit(exc.exit_code)
+            # click's exit status is a class attribute: a subclass carries the error's own
+            failure = type("HvdkitFailure", (click.ClickException,), {"exit_code": exc.exit_code})
+            raise failure(str(exc)) from None
 
     return wrapper
 
@@ -130,7 +134,7 @@ def refuse_unused(ctx: click.Context, names: Iterable[str], why: str, fix: str) 
 
 
 # the options of ray_options(), by name: given without Ray they would do nothing
-RAY_OPTIONS = ("ray_address", "ray_placement", "cpus_per_task", "gpus_per_task")
+RAY_OPTIONS = ("ray_address", "ray_placement", "cpus_per_task", "gpus_per_task", "forward_env")
 
 
 def ray_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -147,12 +151,16 @@ def ray_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="Ray: CPUs reserved for each rank (as hvdkit slurm's)."),
         click.option("--gpus-per-task", type=click.IntRange(min=0), default=0, show_default=True,
                      help="Ray: GPUs reserved for each rank."),
+        click.option("-x", "forward_env", multiple=True, metavar="NAME",
+                     help="Ray: pass this shell's variable NAME to the ranks too (repeatable; as mpirun -x). "
+                          "By default they get PATH, PYTHONPATH, the thread, NCCL/Gloo/Horovod and HVDKIT_* ones."),
     ]):
         f = option(f)
     return f
 
 
-def ray_spec(np: int, ray_address: str | None, ray_placement: str, cpus_per_task: int, gpus_per_task: int) -> Any:
+def ray_spec(np: int, ray_address: str | None, ray_placement: str, cpus_per_task: int, gpus_per_task: int,
+             forward_env: tuple[str, ...] = ()) -> Any:
     """The options of :func:`ray_options` as a checked :class:`hvdkit.rayrun.cluster.RaySpec`;
     Ray installed and the address answering, or a one-line usage error."""
     from click.core import ParameterSource
@@ -163,8 +171,16 @@ def ray_spec(np: int, ray_address: str | None, ray_placement: str, cpus_per_task
     ctx = click.get_current_context(silent=True)
     from_env = ctx is not None and ctx.get_parameter_source("ray_address") == ParameterSource.ENVIRONMENT
     try:
+        from ..launch.templates import check_env_name
+
+        for name in forward_env:
+            check_env_name(name)
+            if name not in os.environ:
+                raise ConfigError(f"-x {name}: this shell has no variable {name} to pass on",
+                                  f"export {name}=... first, or drop -x {name}")
         spec = RaySpec(np=np, address=ray_address or None, placement=ray_placement,
-                       cpus_per_task=float(cpus_per_task), gpus_per_task=float(gpus_per_task))
+                       cpus_per_task=float(cpus_per_task), gpus_per_task=float(gpus_per_task),
+                       forward=tuple(forward_env))
         require_ray()
         if spec.address:  # named as the user gave it: an exported RAY_ADDRESS is not an option they typed
             probe_address(spec.address, source="RAY_ADDRESS" if from_env else "--ray-address")

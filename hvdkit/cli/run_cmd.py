@@ -158,7 +158,7 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
                 blacklist_cooldown_range: tuple[int, int] | None, iface: str | None, elastic_timeout: int,
                 dry_run: bool, log_dir: str | None, write_script: str | None, args: tuple[str, ...],
                 ray_address: str | None, ray_placement: str, cpus_per_task: int, gpus_per_task: int,
-                **_: Any) -> None:
+                forward_env: tuple[str, ...] = (), **_: Any) -> None:
     """Run training on NP local ranks.
 
     ARGS are 'hvdkit train' options (e.g. --model mlp --epochs 3), or after
@@ -194,7 +194,7 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
     tty = sys.stderr.isatty() and not is_program(args) and not (dry_run or write_script)
     if launcher == "ray":
         run_on_ray(np, backend, args, ray_address, ray_placement, cpus_per_task, gpus_per_task, elastic, hosts,
-                   dry_run or bool(write_script), log_dir, tty, iface)
+                   dry_run or bool(write_script), log_dir, tty, iface, forward_env)
         return
     try:  # every mistake in the launch itself is a usage error, found before anything starts
         chosen = local_launcher(backend, launcher)
@@ -286,7 +286,7 @@ def _check_iface(iface: str) -> None:
 
 def run_on_ray(np: int, backend: str, args: tuple[str, ...], address: str | None, placement: str, cpus: int,
                gpus: int, elastic: bool, hosts: str | None, dry_run: bool, log_dir: str | None, tty: bool,
-               iface: str | None) -> None:
+               iface: str | None, forward: tuple[str, ...] = ()) -> None:
     """``hvdkit run --launcher ray``: every check before Ray starts, then the ranks on Ray workers."""
     from ..launch.output import ConsoleLog
     from ..rayrun.cluster import check_fits, connect, worker_env
@@ -311,10 +311,10 @@ def run_on_ray(np: int, backend: str, args: tuple[str, ...], address: str | None
                                    "starts these ranks. HINT: drop --elastic, or use hvdkit run --elastic "
                                    "without --launcher ray")
         program = [PYTHON, "-m", "hvdkit", "train", "--backend", backend, *args]
-    spec = dataclasses.replace(ray_spec(np, address, placement, cpus, gpus),
+    spec = dataclasses.replace(ray_spec(np, address, placement, cpus, gpus, forward),
                                iface=check_iface_name(iface) if iface else None)
     env = worker_env({BACKEND_VAR: backend, **({CONSOLE_TTY_VAR: "1"} if tty else {}),
-                      **(iface_env(iface) if iface else {})})
+                      **(iface_env(iface) if iface else {})}, forward=spec.forward)
     console = ConsoleLog(log_dir, progress=tty)
     code = 1
     try:

@@ -113,7 +113,8 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
                   backend: str, np: int, parallel: int, slurm: bool, venv: str | None,
                   time_limit: str, partition: str | None, max_parallel: int | None, wait: bool,
                   collect: bool, engine: str, resume: str | None, max_failures: int, ray_address: str | None,
-                  ray_placement: str, cpus_per_task: int, gpus_per_task: int, nodes: int) -> None:
+                  ray_placement: str, cpus_per_task: int, gpus_per_task: int, nodes: int,
+                  forward_env: tuple[str, ...] = ()) -> None:
     """Run the trials of the grid/random SPACE (YAML); print a results table and the best trial."""
     from ..launch.local import training_program
     from ..launch.slurm import SlurmJob, render_sbatch, submit
@@ -179,13 +180,13 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
     if engine == "ray" and slurm and not collect:
         job_id = _submit_ray_sweep(out_dir, Path(space).resolve(), overrides, backend, np, parallel, nodes,
                                    cpus_per_task, gpus_per_task, ray_placement, max_failures, time_limit,
-                                   partition, venv)
+                                   partition, venv, forward_env)
         if not wait:
             return
         _wait_for_array(job_id, timeout_s=24 * 3600)
     elif engine == "ray" and not collect:
-        _sweep_on_ray(out_dir, spec, backend, ray_spec(np, ray_address, ray_placement, cpus_per_task, gpus_per_task),
-                      bool(resume), max_failures)
+        ray = ray_spec(np, ray_address, ray_placement, cpus_per_task, gpus_per_task, forward_env)
+        _sweep_on_ray(out_dir, spec, backend, ray, bool(resume), max_failures)
     elif not collect:
         trials = write_trials(out_dir, spec)
         click.echo(f"{len(trials)} trials written to {out_dir / 'trials'}", err=True)
@@ -232,7 +233,7 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
 
 def _submit_ray_sweep(out_dir: Path, space: Path, overrides: dict[str, Any], backend: str, np: int, parallel: int,
                       nodes: int, cpus: int, gpus: int, placement: str, max_failures: int, time_limit: str,
-                      partition: str | None, venv: str | None) -> str:
+                      partition: str | None, venv: str | None, forward: tuple[str, ...] = ()) -> str:
     """One Slurm job that starts Ray on its nodes and runs this sweep's Tune driver in it
     (slurm/ray.sbatch); requeued on preemption, it continues the experiment. Returns the job id."""
     from ..launch.slurm import RAY_ENGINE, SlurmJob, render_sbatch, submit
@@ -247,6 +248,8 @@ def _submit_ray_sweep(out_dir: Path, space: Path, overrides: dict[str, Any], bac
               "--ray-placement", placement, "--max-failures", str(max_failures)]
     for key, value in overrides.items():
         driver += [f"--{key}", str(value)]
+    for name in forward:  # sbatch exports this shell's variables to the job; the driver passes them on
+        driver += ["-x", name]
     try:
         require_ray()
         job = SlurmJob(program=tuple(driver), backend=backend, job_name="hvdkit-sweep", nodes=nodes,

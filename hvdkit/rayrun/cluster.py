@@ -41,6 +41,7 @@ class RaySpec:
     cpus_per_task: float = 1.0
     gpus_per_task: float = 0.0
     iface: str | None = None        # --iface: the interface Gloo, NCCL and Horovod's rendezvous use
+    forward: tuple[str, ...] = ()   # -x NAME: more of this shell's variables for the ranks
 
     def __post_init__(self) -> None:
         if self.np < 1:
@@ -89,8 +90,10 @@ def probe_address(address: str, timeout: float = CONNECT_TIMEOUT_S, source: str 
     return join_env(address)
 
 
-def worker_env(extra: Mapping[str, str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """What the ranks inherit from this shell: mpirun's forwarded variables and hvdkit's own.
+def worker_env(extra: Mapping[str, str], environ: Mapping[str, str] | None = None,
+               forward: Sequence[str] = ()) -> dict[str, str]:
+    """What the ranks inherit from this shell: mpirun's forwarded variables, hvdkit's own, and
+    those named by ``forward`` (``-x NAME``, as mpirun's).
 
     Ray workers start from the raylet's environment, not this shell's, so what a rank needs
     is passed on explicitly, from the same list ``mpirun -x`` uses (launch.vocabulary).
@@ -99,7 +102,7 @@ def worker_env(extra: Mapping[str, str], environ: Mapping[str, str] | None = Non
 
     environ = os.environ if environ is None else environ
     keep = {k: v for k, v in environ.items()
-            if k in FORWARDED_VARS or k.startswith(("HVDKIT_", "ONEDNN_", "ATEN_", "OMP_", "MKL_"))}
+            if k in FORWARDED_VARS or k in forward or k.startswith(("HVDKIT_", "ONEDNN_", "ATEN_", "OMP_", "MKL_"))}
     return {**keep, **dict(extra)}
 
 

@@ -32,7 +32,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import EXIT_NONFINITE, ConfigError
 from ..observe import EPOCH_EVENTS_VAR, EPOCH_TAG
 from ..preemption import EXIT_PREEMPTED
 from ..sweep import SweepSpec, perturb_ranges, trial_args
@@ -44,6 +44,8 @@ __all__ = ["run_tune", "check_ray_sweep"]
 # The trial itself only relays lines: it holds no resources (Tune's empty head bundle), so a
 # cluster of exactly K x np rank slots runs K trials at once.
 TRIAL_BUNDLE: dict[str, float] = {}
+# exit codes of a trial's ranks that mean "it would do the same again": not retried
+NOT_RETRIED = {2: "a usage error", EXIT_NONFINITE: "training diverged (NaN/inf loss or weights)"}
 TRAINED_WITH = "params.json"  # in a trial's checkpoint home: the hyperparameters of its last attempt
 
 
@@ -120,6 +122,13 @@ def _trainable(config: dict[str, Any], *, out: str, spec: SweepSpec, trials: lis
             origin["preempted"] = h5.name
     results = Path(out) / "results"
     results.mkdir(parents=True, exist_ok=True)
+    finished = _finished(results / f"ray-{index}.json")
+    if finished is not None:
+        # its ranks completed every epoch before the driver was lost (Tune had not recorded the
+        # last report yet): report what they recorded, do not train the last epoch again
+        tune.report({**finished, "exploited_from": -1, "lr": float(params.get("lr", float("nan"))),
+                     "hvdkit_trial": index})
+        return
     # --no-requeue: under Slurm the ranks inherit SLURM_JOB_ID, but the job is the experiment's,
     # which the driver's batch shell requeues once every trial has checkpointed
     args = [*trial_args({**spec.fixed, **params}), "--checkpoint-dir", str(ck),
@@ -185,10 +194,31 @@ def _trainable(config: dict[str, Any], *, out: str, spec: SweepSpec, trials: lis
         # ends this actor when it stops; a restore then resumes the trial
         threading.Event().wait()
     console.file.close()
+    if code in NOT_RETRIED:
+        # it would fail the same way again: recorded as failed, and ended without an error, so
+        # --max-failures does not run it again from scratch
+        (results / f"ray-{index}.json").write_text(json.dumps({
+            "status": "failed", "history": [], "error": f"{NOT_RETRIED[code]} (exit {code}; see {console.file.name})"},
+            indent=2) + "\n")
+        return
     if code != 0:
         raise RuntimeError(f"trial {index}'s ranks exited with {code}; see {console.file.name}")
     for metrics, path in last[-1:]:
         report(metrics, path)
+
+
+def _finished(path: Path) -> dict[str, Any] | None:
+    """The last epoch's record of a trial whose ``hvdkit train`` completed (its metrics file), as
+    the trainable reports epochs; None when it has not."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    history = data.get("history") or []
+    if data.get("status") != "completed" or not history:
+        return None
+    last = {k: v for k, v in history[-1].items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {**last, "final_loss": last.get("loss", float("nan")), "epochs": len(history)}
 
 
 def _scheduler(spec: SweepSpec) -> Any:
@@ -250,7 +280,7 @@ def run_tune(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend: 
     trainable = tune.with_resources(
         # the ranks' environment from this shell: a trainable runs in a Ray worker, whose own is the raylet's
         functools.partial(_trainable, out=str(out), spec=spec, trials=trials, backend=backend, ray_spec=ray_spec,
-                          env=worker_env({}), cwd=os.getcwd()),
+                          env=worker_env({}, forward=ray_spec.forward), cwd=os.getcwd()),
         tune.PlacementGroupFactory(bundles, strategy="PACK"))
     storage = str((out / TUNE_DIR).resolve())
     if resume:
@@ -291,7 +321,11 @@ def run_tune(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend: 
             before = donor
         summary["errors"] += result.error is not None
         path = out / "results" / f"ray-{index}.json"
-        done = path.exists() and json.loads(path.read_text()).get("status") == "completed"
+        status = json.loads(path.read_text()).get("status") if path.exists() else None
+        done = status == "completed"
+        if status == "failed":  # the trainable recorded why (a failure it does not retry)
+            summary["errors"] += 1
+            continue
         trained = out / "checkpoints" / f"trial-{index:03d}" / TRAINED_WITH
         if done and spec.scheduler == "pbt":
             data = json.loads(path.read_text())
