@@ -5,7 +5,7 @@ SIGKILL, a lost node) lands exactly there instead of wherever a timer happens to
 without ``:N``) it reaches the point called NAME, after printing one line
 ``[hvdkit] holding at NAME N (pid P)`` to stderr. It waits until the file named by
 ``HVDKIT_HOLD_RELEASE`` exists, or with ``HVDKIT_HOLD_RELEASE=signal`` until a signal handler
-has run in this process (a preemption signal has certainly arrived), with
+has run in this process or its stop file appeared (a preemption has certainly arrived), with
 ``HVDKIT_HOLD_RELEASE=stop-file`` until ``$HVDKIT_STOP_FILE`` exists (the launcher has asked
 the ranks to stop), or forever without one
 (to be killed there). Signals are still handled while it waits. Unset, a hold point costs one dictionary lookup.
@@ -80,10 +80,15 @@ def _hold_until_a_handler_ran(line: str) -> None:
 
         wrapped[sig] = original
         signal.signal(sig, wrapper)
+    from .launch.vocabulary import STOP_FILE_VAR
+
+    # a preemption reaches hvdkit train's ranks as their stop file too (hvdkit run, Ray): it
+    # counts as the signal having arrived
+    stop = os.environ.get(STOP_FILE_VAR)
     try:
         sys.stderr.write(line)
         sys.stderr.flush()
-        while not ran:
+        while not ran and not (stop and os.path.exists(stop)):
             time.sleep(0.02)
     finally:
         for sig, original in wrapped.items():

@@ -27,7 +27,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -53,10 +52,12 @@ REQUEUE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 
 
-# A file whose appearance means SIGUSR1, for ranks no signal can reach: an elastic job's
-# workers are started by horovodrun over ssh, not by Slurm, so the batch shell traps the
-# signal and creates this file instead (see slurm/_header.sbatch).
-_STOP_FILE_POLL_S = 1.0
+# A file whose appearance means SIGUSR1, for ranks no signal can reach or should: an elastic
+# job's workers are started by horovodrun over ssh, not by Slurm, so the batch shell traps the
+# signal and creates this file instead (see slurm/_header.sbatch); hvdkit run and the Ray
+# launcher use one so that a rank still starting up is never killed by a signal. It is looked
+# for once per step (one stat, the allreduce of the flag costs far more), so every rank held
+# at the same point sees it at the same step.
 
 
 # Signals that arrived while no guard was active: during set-up, between an elastic reset and
@@ -90,7 +91,7 @@ class PreemptionGuard:
     """Context manager installing handlers for USR1/USR2/TERM on the main thread.
 
     With ``stop_file`` (default: ``$HVDKIT_STOP_FILE``) the file's appearance counts as
-    SIGUSR1; it is looked for at most once a second.
+    SIGUSR1; it is looked for each time :attr:`requested` is asked (once per step).
     """
 
     def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS,
@@ -99,7 +100,6 @@ class PreemptionGuard:
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
         self.stop_file = stop_file if stop_file is not None else os.environ.get(STOP_FILE_VAR) or None
-        self._next_look = 0.0
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
@@ -107,10 +107,8 @@ class PreemptionGuard:
     @property
     def requested(self) -> bool:
         """True once one of the signals arrived in this process (or the stop file appeared)."""
-        if self.received is None and self.stop_file and time.monotonic() >= self._next_look:
-            self._next_look = time.monotonic() + _STOP_FILE_POLL_S
-            if os.path.exists(self.stop_file):
-                self.received = signal.SIGUSR1
+        if self.received is None and self.stop_file and os.path.exists(self.stop_file):
+            self.received = signal.SIGUSR1
         return self.received is not None
 
     @property

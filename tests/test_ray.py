@@ -106,6 +106,7 @@ def test_ray_run_relays_a_preemption_signal_and_the_resumed_run_ends_on_the_same
     run = ["run", "-np", "2", "--launcher", "ray", "--backend", "ddp"]
     home = tmp_path / "home"
     home.mkdir()
+    sessions_before = set(Path("/tmp").glob("hvdkit-ray-*"))
     proc = subprocess.Popen([*HVDKIT, *run, "--", *MLP, "--checkpoint-dir", str(tmp_path / "ck")], text=True,
                             env=base_env(HVDKIT_HOLD="step:5", HVDKIT_HOLD_RELEASE="signal", HOME=str(home)),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -125,6 +126,8 @@ def test_ray_run_relays_a_preemption_signal_and_the_resumed_run_ends_on_the_same
     out = "".join(lines)
     assert "preempted at step 5 by SIGUSR1; checkpoint saved" in out, out[-2000:]
     assert not (home / ".ray").exists()
+    # the embedded instance's session files (50-260 of them) went with it (#44 class 8)
+    assert set(Path("/tmp").glob("hvdkit-ray-*")) == sessions_before
     resumed = hvdkit(*run, "--ray-address", head, "--", *MLP, "--checkpoint-dir", str(tmp_path / "ck"))
     straight = hvdkit(*run, "--ray-address", head, "--", *MLP)
     assert resumed.returncode == 0 == straight.returncode, resumed.stdout[-2000:]

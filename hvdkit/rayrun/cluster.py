@@ -118,17 +118,45 @@ def connect(spec: RaySpec, extra_cpus: float = 0.0) -> Iterator[None]:
 
     kwargs: dict = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR",
                     "configure_logging": True}
+    own_dir = None
     if spec.address:
         ray.init(address=spec.address, **kwargs)
     else:
         # an embedded instance: as many CPUs as the ranks ask for where this machine has fewer,
-        # as hvdkit run oversubscribes mpirun automatically
+        # as hvdkit run oversubscribes mpirun automatically. Its session files (50-260 of them,
+        # /tmp/ray/session_* by default) go to a directory of the run's own, removed at the end
+        # unless Ray itself failed (then its logs are the evidence, and the path is said)
+        import tempfile
+
+        # where Ray's own default is (/tmp, or RAY_TMPDIR): its socket paths must stay short
+        own_dir = tempfile.mkdtemp(prefix="hvdkit-ray-", dir=os.environ.get("RAY_TMPDIR") or "/tmp")
         cpus = max(os.cpu_count() or 1, math.ceil(spec.np * spec.cpus_per_task + extra_cpus))
-        ray.init(address="local", num_cpus=cpus, **kwargs)
+        try:
+            ray.init(address="local", num_cpus=cpus, _temp_dir=own_dir, **kwargs)
+        except BaseException:
+            _keep_or_remove(own_dir, keep=True)
+            raise
+    failed = True
     try:
         yield
+        failed = False
+    except ConfigError:  # a refusal (check_fits, ...): nothing of Ray's to look at
+        failed = False
+        raise
     finally:
         ray.shutdown()
+        if own_dir is not None:
+            _keep_or_remove(own_dir, keep=failed)
+
+
+def _keep_or_remove(path: str, keep: bool) -> None:
+    """The embedded instance's session directory: kept (and named on stderr) or removed."""
+    import shutil
+
+    if keep:
+        sys.stderr.write(f"[hvdkit] Ray's session files of this run are kept in {path}\n")
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def check_fits(spec: RaySpec, what: str = "the run", extra_cpus: float = 0.0) -> None:
