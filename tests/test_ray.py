@@ -280,6 +280,9 @@ def test_tune_asha_prunes_bad_trials_and_picks_the_best_on_val_accuracy(head, di
     best = max(done, key=lambda r: r["val_accuracy"])
     assert f"best: trial {best['trial']} val_accuracy=" in proc.stdout and best["val_accuracy"] > 0.9
     assert (tmp_path / "out" / "results.png").is_file() and "| pruned |" in proc.stdout
+    # hvdkit's ASHA decided, on disk (a resumed sweep reuses each decision): one per trial at rung 1
+    decided = sorted(p.name for p in (tmp_path / "out" / "asha" / "decisions").glob("trial-*.json"))
+    assert decided == [f"trial-{t:03d}-epoch-0001.json" for t in range(6)], decided
 
 
 @pytest.mark.mp
@@ -424,9 +427,10 @@ def test_a_finished_trials_record_is_what_a_resumed_sweep_reports(tmp_path):
     path.write_text(json.dumps({"status": "completed", "history": [
         {"epoch": 0, "loss": 1.5, "val_accuracy": 0.5}, {"epoch": 1, "loss": 0.5, "val_accuracy": 0.9}]}))
     assert _finished(path) == {"epoch": 1, "loss": 0.5, "val_accuracy": 0.9, "final_loss": 0.5, "epochs": 2}
-    for status in ("pruned", "failed"):
-        path.write_text(json.dumps({"status": status, "history": [{"epoch": 0, "loss": 1.0}]}))
-        assert _finished(path) is None, status
+    path.write_text(json.dumps({"status": "pruned", "history": [{"epoch": 0, "loss": 1.0}]}))  # at a rung
+    assert _finished(path) == {"epoch": 0, "loss": 1.0, "final_loss": 1.0, "epochs": 1}
+    path.write_text(json.dumps({"status": "failed", "history": [{"epoch": 0, "loss": 1.0}]}))
+    assert _finished(path) is None
     path.write_text("{damaged")
     assert _finished(path) is None
 

@@ -1,8 +1,9 @@
 """A sweep as a Ray Tune experiment: each trial is a distributed run of ``np`` ranks.
 
 The space file, the trial list and the results table are hvdkit's (hvdkit.sweep), so the two
-engines run the same trials and can be compared. Tune adds what needs a service: its ASHA
-(``scheduler: asha``) and Population Based Training (``scheduler: pbt``), restarts of failed
+engines run the same trials and can be compared, and ``scheduler: asha`` is hvdkit's own on
+both (decisions on the shared file system, kept across a resume). Tune adds what needs a
+service: Population Based Training (``scheduler: pbt``), restarts of failed
 trials from their last checkpoint (``FailureConfig``), and ``Tuner.restore`` after the driver
 was lost.
 
@@ -35,7 +36,7 @@ from typing import Any
 from ..errors import EXIT_NONFINITE, ConfigError
 from ..observe import EPOCH_EVENTS_VAR, EPOCH_TAG
 from ..preemption import EXIT_PREEMPTED
-from ..sweep import SweepSpec, perturb_ranges, trial_args
+from ..sweep import SweepSpec, perturb_ranges, trial_command
 from .cluster import RaySpec, worker_env
 from .layout import EXPERIMENT, PREEMPT_FLAG, PREEMPTED_DIR, PREEMPTED_MARK, TUNE_DIR
 
@@ -131,7 +132,7 @@ def _trainable(config: dict[str, Any], *, out: str, spec: SweepSpec, trials: lis
         return
     # --no-requeue: under Slurm the ranks inherit SLURM_JOB_ID, but the job is the experiment's,
     # which the driver's batch shell requeues once every trial has checkpointed
-    args = [*trial_args({**spec.fixed, **params}), "--checkpoint-dir", str(ck),
+    args = [*trial_command(Path(out), spec, index, params), "--checkpoint-dir", str(ck),
             "--metrics-file", str(results / f"ray-{index}.json"), "--no-requeue"]
     flag = Path(out) / PREEMPT_FLAG
     stopped = Path(out) / "trials" / PREEMPTED_DIR / tune.get_context().get_trial_id()
@@ -208,27 +209,27 @@ def _trainable(config: dict[str, Any], *, out: str, spec: SweepSpec, trials: lis
 
 
 def _finished(path: Path) -> dict[str, Any] | None:
-    """The last epoch's record of a trial whose ``hvdkit train`` completed (its metrics file), as
-    the trainable reports epochs; None when it has not."""
+    """The last epoch's record of a trial whose ``hvdkit train`` ended (completed, or pruned at a
+    rung), from its metrics file, as the trainable reports epochs; None when it has not."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     history = data.get("history") or []
-    if data.get("status") != "completed" or not history:
+    if data.get("status") not in ("completed", "pruned") or not history:
         return None
     last = {k: v for k, v in history[-1].items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return {**last, "final_loss": last.get("loss", float("nan")), "epochs": len(history)}
 
 
 def _scheduler(spec: SweepSpec) -> Any:
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
+    from ray.tune.schedulers import FIFOScheduler, PopulationBasedTraining
 
     metric_mode: dict[str, Any] = {"metric": _tune_metric(spec), "mode": spec.mode}
-    if spec.scheduler == "asha":
-        cfg = spec.asha_config()
-        return ASHAScheduler(time_attr="epochs", max_t=cfg.budget, grace_period=cfg.grace,
-                             reduction_factor=cfg.eta, **metric_mode)
+    # scheduler: asha is hvdkit's own (hvdkit.asha, the local engine's): each trial's rank 0
+    # decides at its rungs from the records in DIR/asha, and a decision, once made, is on disk.
+    # Tune's ASHAScheduler keeps its rungs in memory, and Tuner.restore starts them empty: a
+    # resumed sweep completed trials the uninterrupted one had pruned, and picked another best.
     if spec.scheduler == "pbt":
         from ray import tune
 
@@ -325,6 +326,8 @@ def run_tune(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend: 
         done = status == "completed"
         if status == "failed":  # the trainable recorded why (a failure it does not retry)
             summary["errors"] += 1
+            continue
+        if status == "pruned":  # hvdkit's ASHA stopped it at a rung; its own record stands
             continue
         trained = out / "checkpoints" / f"trial-{index:03d}" / TRAINED_WITH
         if done and spec.scheduler == "pbt":
