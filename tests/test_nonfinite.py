@@ -53,7 +53,7 @@ def test_nan_stops_at_the_step_and_keeps_the_last_finite_checkpoint(tmp_path, ba
     assert len(stderr) == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr
     assert f"loss became NaN/inf at step {step} on rank {rank}; stopped at step {step + 1}" in stderr[0]
     assert f"the last checkpoint (ckpt-{last_even:09d}.h5) is from before it" in stderr[0]
-    assert stderr[0].startswith("Error: job failed (exit 1): loss became NaN/inf") and "HINT:" in stderr[0]
+    assert stderr[0].startswith("Error: job failed (exit 65): loss became NaN/inf") and "HINT:" in stderr[0]
     log = stderr[0].rsplit("[full output: ", 1)[1].rstrip("]")
     assert "loss became NaN/inf" in open(log).read()
     names = sorted(p.name for p in ckpts.glob("ckpt-*.h5"))
