@@ -92,8 +92,20 @@ def test_bit_flip_and_truncation_are_detected(tmp_path):
         byte = fh.read(1)
         fh.seek(offset)
         fh.write(bytes([byte[0] ^ 0x10]))
-    ok, message = verify_checkpoint(flipped)
-    assert not ok and "SHA-256 of its content does not match" in message
+    ok, message = verify_checkpoint(flipped)  # a tensor's byte: its range's CRC names it
+    assert not ok and "checksum mismatch in dataset /model/blocks.3.fc.weight" in message
+
+    meta = tmp_path / "meta.h5"  # a byte of HDF5's superblock: covered by the digest of the rest
+    shutil.copy(good, meta)
+    with h5py.File(meta, "r") as f:
+        at = f.userblock_size + 10
+    with open(meta, "r+b") as fh:
+        fh.seek(at)
+        byte = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([byte[0] ^ 0x01]))
+    ok, message = verify_checkpoint(meta)
+    assert not ok and "SHA-256 of its metadata does not match" in message
     with pytest.raises(CheckpointError, match="is corrupt"):
         read_checkpoint(flipped)
 
@@ -295,7 +307,7 @@ def test_ckpt_show_cli(tmp_path):
     with h5py.File(path, "r+") as f:
         f["model/inp.bias"][0] += 1.0  # silent change of one value
     result = CliRunner().invoke(cli, ["ckpt", "show", str(path)])
-    assert result.exit_code == 1 and "is corrupt: SHA-256" in result.output
+    assert result.exit_code == 1 and "is corrupt: checksum mismatch in dataset /model/inp.bias" in result.output
     assert len(result.output.strip().splitlines()) == 1
 
 

@@ -8,6 +8,8 @@ padding, B-tree slack) may pass, and then the restored state must be identical.
 from __future__ import annotations
 
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,9 +25,14 @@ FLIPS = 600
 
 
 def _two_checkpoints(directory, fmt):
-    """ckpt-1 and ckpt-2 of a tiny model with Adam, a scheduler and loop state, in format 4
-    (the manager's) or 3 (hvdkit 0.4's, which must stay readable)."""
+    """ckpt-1 and ckpt-2 of a tiny model with Adam, a scheduler and loop state, in format 5
+    (the manager's), 4 (files the previous release wrote: tests/data/ckpt-v4) or 3 (hvdkit
+    0.4's), which must stay readable."""
     backend = LocalBackend(BackendConfig())
+    if fmt == 4:  # written by _two_checkpoints(d, 4) when format 4 was the manager's
+        for f in sorted((Path(__file__).parent / "data" / "ckpt-v4").glob("ckpt-*.h5")):
+            shutil.copy(f, directory / f.name)
+        return CheckpointManager(directory, backend, keep=5)
     torch.manual_seed(0)
     model = build_model("tiny")
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -39,7 +46,7 @@ def _two_checkpoints(directory, fmt):
         loop = LoopPosition(epoch=0, global_step=step, samples_seen=8 * step, samples_in_epoch=8 * step,
                         loss_sums=[0.5 * step])
         states = {"model": model, "optimizer": opt, "scheduler": sched, "loop": loop}
-        if fmt == 4:
+        if fmt == 5:
             mgr.save(step, states)
         else:
             write_v3_checkpoint(mgr.path_for(step), {k: v.state_dict() for k, v in states.items()}, step,
@@ -48,7 +55,7 @@ def _two_checkpoints(directory, fmt):
     return mgr
 
 
-@pytest.mark.parametrize("fmt", [4, 3])
+@pytest.mark.parametrize("fmt", [5, 4, 3])
 def test_random_byte_flips_are_detected_or_harmless(tmp_path, caplog, fmt):
     mgr = _two_checkpoints(tmp_path, fmt)
     newest = tmp_path / "ckpt-000000002.h5"
@@ -56,7 +63,7 @@ def test_random_byte_flips_are_detected_or_harmless(tmp_path, caplog, fmt):
     pristine = read_checkpoint(newest)
     older = read_checkpoint(tmp_path / "ckpt-000000001.h5")
     rng = random.Random(20261203)
-    outcomes = {"detected": 0, "harmless": 0}
+    outcomes = {"detected": 0, "harmless": 0, "named": 0}
     for _ in range(FLIPS):
         data = bytearray(pristine_bytes)
         offset = rng.randrange(len(data))
@@ -78,9 +85,12 @@ def test_random_byte_flips_are_detected_or_harmless(tmp_path, caplog, fmt):
             assert warning.count("\n") == 1 and "WARNING: skipping ckpt-000000002.h5: " in warning, warning
             got, want = snap, older
             outcomes["detected"] += 1
+            outcomes["named"] += "checksum mismatch in dataset /" in warning
         for name in ("model", "optimizer", "scheduler", "loop"):
             assert_tree_equal(got[name], want[name], f"flip {offset}: {name}")
         assert_tree_equal(got.rng, want.rng, f"flip {offset}: rng")
         assert got.meta == want.meta, f"flip at byte {offset}"
     print(f"{FLIPS} flips over {len(pristine_bytes)} bytes: {outcomes}")
     assert outcomes["detected"] > FLIPS // 2  # most bytes of a small checkpoint are content
+    if fmt == 5:  # a flip in a tensor's bytes names the tensor
+        assert outcomes["named"] > 0

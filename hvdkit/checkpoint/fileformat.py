@@ -3,7 +3,7 @@ tensor at a time.
 
 Layout (``h5dump -A ckpt-000000100.h5`` shows it)::
 
-    /            attrs: format, format_version (4), step, world_size, backend, states (JSON:
+    /            attrs: format, format_version (5), step, world_size, backend, states (JSON:
                         key -> kind), metrics (JSON), hvdkit_version, torch_version, created,
                         checksum (see integrity.py)
     /<key>       one group per state: a module's or optimizer's ``state_dict`` in its
@@ -15,9 +15,9 @@ Layout (``h5dump -A ckpt-000000100.h5`` shows it)::
 
 Rank 0 writes, streamed: no process ever holds the file, nor the whole state, in memory
 (:func:`write_checkpoint`); a restore reads one tensor at a time (:func:`open_checkpoint`).
-Format 3 files (hvdkit 0.4, built in memory, the same layout and a ``hvdkit-checkpoint 2``
-header) and format 2 files (hvdkit 0.2: groups model, optimizer, scheduler, scaler, loop)
-read as they are.
+Format 4 files (the same layout, a whole-file SHA-256 header), format 3 files (hvdkit 0.4,
+built in memory, a ``hvdkit-checkpoint 2`` header) and format 2 files (hvdkit 0.2: groups
+model, optimizer, scheduler, scaler, loop) read as they are.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,14 +54,14 @@ from ..h5tree import (
     tree_leaves,
     write_tree,
 )
-from .integrity import USERBLOCK, HeaderError, content_checksum, seal_file, verify_sealed
+from .integrity import DataRangeError, HeaderError, content_checksum, seal_ranges, userblock_for, verify_sealed
 
 __all__ = ["Snapshot", "write_checkpoint", "drain", "read_checkpoint", "open_checkpoint", "OpenCheckpoint",
            "verify_checkpoint", "checkpoint_name", "step_of", "FORMAT", "FORMAT_VERSION", "RESERVED", "DAMAGED_HINT",
            "open_checked", "human_size"]
 
 FORMAT = "hvdkit-checkpoint"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 RESERVED = ("rng",)  # group names that are not states
 _NAME = re.compile(r"^ckpt-(\d{9})\.h5$")
 DAMAGED_HINT = "delete it or let resume fall back to the previous checkpoint"
@@ -152,7 +153,7 @@ _OVERHEAD_BYTES, _OVERHEAD_PER_LEAF = 64 << 10, 1024  # measured: 29 KiB for a 4
 
 def write_checkpoint(path: str | os.PathLike[str], snap: Snapshot,
                      validate: Callable[[str, Any], None] | None = None) -> Path:
-    """Write ``snap`` to ``path`` atomically and durably, one tensor at a time (format 4).
+    """Write ``snap`` to ``path`` atomically and durably, one tensor at a time (format 5).
 
     ``snap.states`` may hold :class:`~hvdkit.h5tree.Deferred` leaves: each is fetched exactly
     once, in :func:`~hvdkit.h5tree.tree_leaves` order, whatever fails (every other rank runs
@@ -177,7 +178,7 @@ def write_checkpoint(path: str | os.PathLike[str], snap: Snapshot,
             path.parent.mkdir(parents=True, exist_ok=True)
             if shutil.disk_usage(path.parent).free < size + fileio.SPACE_MARGIN:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            image, slots = _layout(snap)
+            image, slots = _layout(snap, len(leaves))
             crcs = _fill(tmp, image, slots, pending, validate)
             del image
             _seal_file(tmp, slots, crcs)
@@ -200,15 +201,16 @@ def _nbytes(leaf: Any) -> int:
     return int(leaf.nbytes) if isinstance(leaf, (Deferred, np.ndarray)) else int(leaf.numel() * leaf.element_size())
 
 
-def _layout(snap: Snapshot) -> tuple[SparseImage, list[Slot]]:
+def _layout(snap: Snapshot, leaves: int) -> tuple[SparseImage, list[Slot]]:
     """Every group, attribute and empty (allocated) dataset of the file, laid out by HDF5 in
-    memory: only this metadata is written there, the datasets' bytes come later."""
+    memory: only this metadata is written there, the datasets' bytes come later. The user
+    block has room for the table of the ``leaves`` data ranges (integrity.py)."""
     import h5py
     import torch
 
     meta = {k: v for k, v in snap.meta.items() if k not in ("metrics", "states")}
     image = SparseImage()
-    with h5py.File(image, "w", track_order=True, userblock_size=USERBLOCK) as f:
+    with h5py.File(image, "w", track_order=True, userblock_size=userblock_for(leaves)) as f:
         f.attrs.update({
             "format": FORMAT, "format_version": FORMAT_VERSION, "step": snap.step,
             "hvdkit_version": __version__, "torch_version": str(torch.__version__),
@@ -228,30 +230,34 @@ def _fill(tmp: Path, image: SparseImage, slots: list[Slot], pending: Iterator[An
           validate: Callable[[str, Any], None] | None) -> list[int]:
     """The laid-out metadata, then each leaf's bytes at its offset, fetched one at a time;
     returns their CRCs. A leaf that ``validate`` refuses stops the writing (the caller drains
-    the rest)."""
+    the rest). A second thread takes each leaf's CRC while this one writes it (both let go
+    of the GIL): the CRC is then hidden behind the write, which the disk bounds."""
     import torch
 
     crcs = []
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         image.write_to(fd)
-        for k, slot in enumerate(slots):
-            value = _fetched(next(pending))
-            if validate is not None:
-                validate(slot.name, value)
-            arr = to_numpy(value) if isinstance(value, torch.Tensor) else np.ascontiguousarray(value)
-            if arr.dtype != slot.dtype or tuple(arr.shape) != slot.shape:
-                raise CheckpointError(f"{slot.name} is {arr.dtype} {tuple(arr.shape)} but was laid out as "
-                                      f"{slot.dtype} {slot.shape}", "report this: the state changed while saving")
-            view = memoryview(np.ascontiguousarray(arr)).cast("B")  # type: ignore[arg-type]
-            at = slot.offset or 0
-            while view:
-                written = os.pwrite(fd, view, at)
-                view, at = view[written:], at + written
-            crcs.append(crc32_of(arr))
-            del arr, value
-            if k == len(slots) // 2:
-                hold_point("checkpoint-write")  # a fault lands half-way (hvdkit.faults)
+        with ThreadPoolExecutor(1, thread_name_prefix="hvdkit-crc") as pool:
+            for k, slot in enumerate(slots):
+                value = _fetched(next(pending))
+                if validate is not None:
+                    validate(slot.name, value)
+                arr = to_numpy(value) if isinstance(value, torch.Tensor) else np.ascontiguousarray(value)
+                if arr.dtype != slot.dtype or tuple(arr.shape) != slot.shape:
+                    raise CheckpointError(f"{slot.name} is {arr.dtype} {tuple(arr.shape)} but was laid out as "
+                                          f"{slot.dtype} {slot.shape}", "report this: the state changed while saving")
+                arr = np.ascontiguousarray(arr)
+                crc = pool.submit(crc32_of, arr)
+                view = memoryview(arr).cast("B")  # type: ignore[arg-type]
+                at = slot.offset or 0
+                while view:
+                    written = os.pwrite(fd, view, at)
+                    view, at = view[written:], at + written
+                crcs.append(crc.result())
+                del arr, value, view
+                if k == len(slots) // 2:
+                    hold_point("checkpoint-write")  # a fault lands half-way (hvdkit.faults)
         if not slots:
             hold_point("checkpoint-write")
         os.fsync(fd)
@@ -262,23 +268,27 @@ def _fill(tmp: Path, image: SparseImage, slots: list[Slot], pending: Iterator[An
 
 def _seal_file(tmp: Path, slots: list[Slot], crcs: list[int]) -> None:
     """Each dataset's CRC and the content checksum (HDF5, in place), then the sealed header:
-    the SHA-256 of everything after the user block, read back in blocks."""
+    the table of the datasets' byte ranges with their CRCs, and the SHA-256 of the rest."""
     import h5py
 
     with h5py.File(tmp, "r+") as f:
         for slot, crc in zip(slots, crcs):
             f[slot.name].attrs["crc32"] = np.uint32(crc)
         f.attrs["checksum"] = np.uint32(content_checksum(f, data_bytes=False))
-    seal_file(tmp)
+    seal_ranges(tmp, [(slot.offset, int(np.prod(slot.shape, dtype=np.int64)) * slot.dtype.itemsize, crc)
+                      for slot, crc in zip(slots, crcs) if slot.offset is not None])
 
 
 def open_checked(path: Path) -> Any:
     """An open, read-only ``h5py.File`` of a checkpoint whose sealed header verified (the whole
-    file hashed in blocks first: HDF5 never sees damage)."""
+    file checked in one pass first: HDF5 never sees damage)."""
     import h5py
 
     try:
         verify_sealed(path)
+    except DataRangeError as exc:  # the metadata verified: HDF5 may name the damaged tensor
+        raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in dataset "
+                              f"{_dataset_at(path, exc.offset)}", DAMAGED_HINT) from None
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} does not exist", "list checkpoints with 'ls DIR'") from None
     except IsADirectoryError:
@@ -305,6 +315,17 @@ def open_checked(path: Path) -> Any:
     return f
 
 
+def _dataset_at(path: Path, offset: int) -> str:
+    """The name of the dataset whose bytes start at ``offset`` (a verified file's metadata)."""
+    import h5py
+
+    found: list[str] = []
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, node: found.append("/" + name) if isinstance(node, h5py.Dataset)
+                     and node.id.get_offset() == offset else None)
+    return found[0] if found else f"(at byte {offset})"
+
+
 def _plain(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
@@ -321,7 +342,7 @@ def _read_meta(f: Any) -> dict[str, Any]:
 
 
 def _content_ok(f: Any) -> bool:
-    """The content checksum (format 4: names, attributes and each dataset's CRC; older: every byte)."""
+    """The content checksum (formats 4 and 5: names, attributes and each dataset's CRC; older: every byte)."""
     data_bytes = int(f.attrs.get("format_version", 0)) < 4
     return int(f.attrs["checksum"]) == content_checksum(f, data_bytes=data_bytes)
 
