@@ -278,6 +278,7 @@ class BackendConfig:
     name: str = field(default_factory=lambda: launched_backend() or DEFAULT_BACKEND)
     accumulation_steps: int = 1
     shard: str = "none"  # optimizer: ZeRO-1/2 (1/N of the optimizer state); full: FSDP2 (DDP)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward (hvdkit.blocks)
     horovod: HorovodOptions = field(default_factory=HorovodOptions)
     ddp: DDPOptions = field(default_factory=DDPOptions)
 

@@ -382,6 +382,13 @@ def _set_up(cfg: TrainConfig, backend: Backend, log: Callable[[str], None], resu
     plan = LrPlan(kind=cfg.lr_schedule, min_ratio=cfg.min_lr_ratio, gamma=cfg.lr_gamma)
     optimizer = make_optimizer(cfg, model, cfg.lr)
     model, optimizer = backend.wrap(model, optimizer)
+    if cfg.backend.activation_checkpointing and backend.is_master:
+        if backend.checkpointed_blocks:
+            diag(f"activation checkpointing: {backend.checkpointed_blocks} block(s) of --model {cfg.model} "
+                 "recomputed in backward")
+        else:  # said, never silent: the option then changes nothing
+            warn(f"--activation-checkpointing: --model {cfg.model} has no block to recompute (an entry of an "
+                 "nn.ModuleList/nn.Sequential that holds modules of its own); every activation is kept")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plan.factor)
     ckpt = CheckpointManager(cfg.checkpoint_dir, backend, cfg.keep_checkpoints, cfg.keep_best) \
         if cfg.checkpoint_dir else None

@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import nn
 
+from ..blocks import checkpoint_activations
 from ..config import BackendConfig
 from ..environments import usable_cores
 from ..errors import ConfigError, HvdkitError
@@ -79,6 +80,7 @@ class Backend(ABC):
         self.comm_wait = 0.0
         self._unsynced = 0  # micro-batches since the last sync=True (see accumulate)
         self._strategy: Strategy | None = None  # wrap() chooses it
+        self.checkpointed_blocks = 0  # blocks whose activations wrap() made recomputed
 
     @property
     def strategy(self) -> Strategy:
@@ -137,7 +139,11 @@ class Backend(ABC):
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Move ``model`` to :attr:`device`, choose the strategy from ``config.shard`` (once)
-        and let it make the gradients data-parallel."""
+        and let it make the gradients data-parallel. With ``config.activation_checkpointing``
+        each block's activations are recomputed in backward (set before any sharding, which
+        then gathers a block's weights again for the recomputation)."""
+        if self.config.activation_checkpointing:
+            self.checkpointed_blocks = checkpoint_activations(model)
         self._strategy = make_strategy(self.config, self, self.replicated)
         return self._strategy.wrap(model.to(self.device), optimizer)
 

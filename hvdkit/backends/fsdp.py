@@ -2,13 +2,9 @@
 
 Each rank holds 1/N of every parameter, its gradient and its optimizer state; a unit's
 parameters are all-gathered for its forward and backward and its gradients reduce-scattered.
-Units: every block of every ``nn.ModuleList``/``nn.Sequential`` that holds at least
-:data:`MIN_UNIT_PARAMS` parameters (transformer layers, ResNet stages' blocks), then the root
-for the rest. Smaller blocks stay in their parent's unit: each unit costs an all-gather in
-forward and in backward and a reduce-scatter, and on a model of 198 small tensors one unit per
-layer measured 11.6x DDP's step time (2 ranks, gloo, ``hvdkit bench --paths "ddp shard=full"``). A model whose
-parameters are shared between modules (tied embeddings) is sharded as one unit: FSDP2
-cannot split one parameter between two units.
+Units: each of the model's blocks (:func:`hvdkit.blocks.shard_units`: transformer layers, ResNet
+stages' blocks), then the root for the rest, tied parameters (an embedding and its head)
+included.
 
 Checkpoints stay whole, streamed: :func:`model_state` and :func:`optimizer_state` give the
 whole state in the standard layout (the optimizer's in ``torch.optim``'s, parameters by index)
@@ -30,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..blocks import shard_units
 from ..errors import HvdkitError
 from ..h5tree import Deferred, Stored
 from .comm import Communicator, broadcast_tensors, broadcast_tree
@@ -37,21 +34,6 @@ from .strategy import Strategy, same_optimizer
 
 __all__ = ["FullyShardedStrategy", "shard_model", "model_state", "optimizer_state",
            "scatter_model_state", "scatter_optimizer_state"]
-
-MIN_UNIT_PARAMS = 100_000  # a block smaller than this is gathered with its parent
-
-
-def _units(model: nn.Module) -> list[nn.Module]:
-    """Sub-modules to shard on their own, children before parents (FSDP2 wants inner first)."""
-    shared = len(list(model.named_parameters(remove_duplicate=False))) != len(list(model.parameters()))
-    if shared:
-        return []
-    units = []
-    for container in model.modules():
-        if isinstance(container, (nn.ModuleList, nn.Sequential)):
-            units += [m for m in container if sum(p.numel() for p in m.parameters()) >= MIN_UNIT_PARAMS]
-    return list(reversed(list(dict.fromkeys(units))))
-
 
 def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Shard ``model`` in place and rebuild ``optimizer`` (same class, groups and
@@ -61,7 +43,7 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.
     names = {id(p): n for n, p in model.named_parameters()}
     groups = [([names[id(p)] for p in g["params"]], {k: v for k, v in g.items() if k != "params"})
               for g in optimizer.param_groups]
-    for unit in _units(model):
+    for unit in shard_units(model):
         fully_shard(unit)
     fully_shard(model)
     params = dict(model.named_parameters())

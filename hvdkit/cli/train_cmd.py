@@ -114,7 +114,8 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
         compression=o["compression"], timeout_s=o["ddp_timeout"], environment=o["environment"],
     )
     backend = BackendConfig(name=o["backend"], accumulation_steps=o["accumulation_steps"],
-                            shard=o["shard"], horovod=hvd, ddp=ddp)
+                            shard=o["shard"], activation_checkpointing=o["activation_checkpointing"],
+                            horovod=hvd, ddp=ddp)
     args = {name: parse_args(o[name], flag) for name, flag in ARG_LISTS.items()}
     fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"backend", *ARG_LISTS}
     return TrainConfig(backend=backend, **args, **{k: o[k] for k in fields})  # type: ignore[arg-type]
@@ -165,6 +166,9 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
 @_opt("--shard", type=click.Choice(SHARD_MODES), default=BACKEND["shard"],
       help="none; optimizer: each rank keeps 1/N of the optimizer state and gradients (ZeRO-1/2, "
            "both backends); full: parameters too (FSDP2, --backend ddp).")
+@_opt("--activation-checkpointing/--no-activation-checkpointing", default=BACKEND["activation_checkpointing"],
+      help="Recompute each block's activations in backward instead of keeping them (less memory, about one "
+           "more forward); the same bits. A block: an entry of a ModuleList/Sequential that holds modules.")
 # -- optimizer and schedule --------------------------------------------------------------------
 @_opt("--optimizer", default=TRAIN["optimizer"],
       help="sgd, adam, adamw, or a class by import path (e.g. torch.optim:RMSprop).")
