@@ -4,8 +4,9 @@
 A block is an entry of an ``nn.ModuleList``/``nn.Sequential`` (transformer layers, ResNet
 stages' blocks, a residual MLP's layers).
 
-* An FSDP unit (:func:`shard_units`) also holds at least :data:`MIN_BLOCK_PARAMS` parameters
-  and shares none of them with a module outside it. Smaller blocks stay in their parent:
+* An FSDP unit (:func:`shard_units`) is an outermost block that holds at least
+  :data:`MIN_BLOCK_PARAMS` parameters and shares none of them with a module outside it
+  (a block inside a unit is gathered with it). Smaller blocks stay in their parent:
   each unit costs an all-gather in forward and in backward and a reduce-scatter, and on a
   model of 198 small tensors one unit per layer measured 11.6x DDP's step time (2 ranks,
   gloo). A parameter used outside its block (a head tied to the embedding) keeps that block
@@ -37,8 +38,10 @@ def _entries(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The blocks FSDP2 shards on their own, children before parents (it wants inner units
-    first); the root, sharded last, takes the rest."""
+    """The outermost blocks, which FSDP2 shards on their own (in reverse order); the root,
+    sharded last, takes the rest. Only the outermost: a block inside a unit is gathered with
+    it (as torchtitan shards a transformer block whole), which halves the collectives of a
+    GPT block whose MLP's Linears would qualify too."""
     names: dict[int, set[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), set()).add(name)
@@ -48,7 +51,13 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
         if sum(p.numel() for p in params) >= MIN_BLOCK_PARAMS \
                 and all(n.startswith(inside) for p in params for n in names[id(p)]):
             found.append(block)
-    return list(reversed(list(dict.fromkeys(found))))
+    return list(reversed(_outermost(found)))
+
+
+def _outermost(found: list[nn.Module]) -> list[nn.Module]:
+    """``found`` without duplicates and without any module inside another of them."""
+    inner = {id(m) for b in found for m in b.modules() if m is not b}
+    return list({id(b): b for b in found if id(b) not in inner}.values())
 
 
 def checkpoint_activations(model: nn.Module) -> int:
@@ -59,9 +68,7 @@ def checkpoint_activations(model: nn.Module) -> int:
     number of blocks."""
     from torch.utils.checkpoint import checkpoint
 
-    found = [block for _, block in _entries(model) if next(block.children(), None) is not None]
-    inner = {id(m) for b in found for m in b.modules() if m is not b}
-    outer = list({id(b): b for b in found if id(b) not in inner}.values())  # an inner one is recomputed with it
+    outer = _outermost([block for _, block in _entries(model) if next(block.children(), None) is not None])
 
     def recomputed(forward: Any, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)

@@ -28,11 +28,12 @@ TRAIN = ["--model", "mlp", "--num-samples", "512", "--batch-size", "16", "--opti
 
 
 def test_a_tied_gpt_is_sharded_block_by_block_with_the_tied_weights_in_the_root():
-    model = gpt(vocab_size=96, n_layer=3)
-    assert shard_units(model) == list(reversed(list(model.blocks)))  # inner first; tok/head stay in the root
+    model = gpt(vocab_size=96, n_layer=3, n_embd=256)  # its MLP's Linears (262k) would qualify: inside a unit
+    assert shard_units(model) == list(reversed(list(model.blocks)))  # tok and the tied head stay in the root
     # a block whose weight is used outside it cannot be a unit of its own; the others still are
-    model.blocks[1].mlp[0].weight = model.blocks[2].mlp[0].weight
-    assert shard_units(model) == [model.blocks[0]]
+    model.blocks[1].attn.proj.weight = model.blocks[2].attn.proj.weight
+    assert shard_units(model) == [model.blocks[2].mlp[2], model.blocks[2].mlp[0], model.blocks[1].mlp[2],
+                                  model.blocks[1].mlp[0], model.blocks[0]]  # their untied insides still are
     # too small to pay for its own gathers: with its parent
     assert shard_units(gpt(vocab_size=96, n_layer=2, n_embd=32)) == []
 
