@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from .common import FiniteFloat, config_option, translate_errors, usable_output_dir
+from .common import FiniteFloat, config_option, translate_errors, usable_output
 
 
 def _numbers(text: str | None, option: str, kind: type) -> tuple[Any, ...] | None:
@@ -97,5 +97,5 @@ def bench_command(quick: bool, out: str, only: str | None, models: str | None, *
         cfg = BenchConfig.quick(**overrides) if quick else BenchConfig(**overrides)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    usable_output_dir(out, "--out-dir")
+    usable_output(out, "--out-dir", directory=True)
     run_suite(cfg, log=click.echo)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import click
 
 from ..config import MODEL_NAMES
-from .common import translate_errors, usable_output_dir
+from .common import translate_errors, usable_output
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -138,7 +138,7 @@ def import_digits_command(directory: str, image_size: int, channels: str) -> Non
     """scikit-learn's 1,797 handwritten digits -> DIRECTORY/train.h5 and val.h5 (300 held out)."""
     from ..importers import import_digits
 
-    usable_output_dir(directory, "DIRECTORY")
+    usable_output(directory, "DIRECTORY", directory=True)
     info = import_digits(directory, image_size, int(channels))
     click.echo(f"wrote {info['directory']}/train.h5 ({info['train']} images) and val.h5 ({info['val']}), "
                f"shape {tuple(info['shape'])}, 10 classes")
@@ -159,7 +159,7 @@ def import_text_command(directory: str, block: int, max_bytes: int) -> None:
     """
     from ..importers import import_text
 
-    usable_output_dir(directory, "DIRECTORY")
+    usable_output(directory, "DIRECTORY", directory=True)
     info = import_text(directory, block, max_bytes)
     click.echo(f"wrote {info['directory']}/train.h5 ({info['train']} windows) and val.h5 ({info['val']}) from "
                f"{info['characters']:,} characters of {info['modules']} modules; vocab {info['vocab_size']}, "

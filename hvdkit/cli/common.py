@@ -59,26 +59,18 @@ def _apply_config(ctx: click.Context, param: click.Parameter, value: str | None)
     return value
 
 
-def usable_output_path(path: str | Path, flag: str) -> None:
-    """A file the command will write: its directory exists and is writable, or a usage error
-    (exit 2) naming ``flag``, before anything is rendered or started."""
+def usable_output(path: str | Path, flag: str, directory: bool = False) -> None:
+    """A file (or, with ``directory``, a directory) the command will write: writable, its
+    directory existing (a directory may be created under the nearest existing one), else a
+    usage error (exit 2) naming ``flag``, before anything is rendered or started."""
     from ..errors import ConfigError
-    from ..fileio import check_output_path
+    from ..fileio import check_output_path, check_writable
 
     try:
-        check_output_path(path, flag)
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
-
-
-def usable_output_dir(path: str | Path, flag: str) -> None:
-    """A directory the command will create or write into: writable (or creatable under the
-    nearest existing one), else a usage error (exit 2) naming ``flag``, before anything runs."""
-    from ..errors import ConfigError
-    from ..fileio import check_writable
-
-    try:
-        check_writable(path, flag, directory=True)
+        if directory:
+            check_writable(path, flag, directory=True)
+        else:
+            check_output_path(path, flag)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
 

@@ -50,8 +50,7 @@ from .common import (
     ray_spec,
     refuse_unused,
     translate_errors,
-    usable_output_dir,
-    usable_output_path,
+    usable_output,
 )
 from .validate import check_program, check_train_args, is_program
 
@@ -180,16 +179,16 @@ def run_command(np: int, backend: str, launcher: str, controller: str, hosts: st
     else:
         refuse_unused(ctx, RAY_OPTIONS, "places ranks on Ray", "add --launcher ray, or drop {flag}")
     if log_dir:
-        usable_output_dir(log_dir, "--log-dir")
+        usable_output(log_dir, "--log-dir", directory=True)
     if write_discovery_script:
-        usable_output_path(write_discovery_script, "--write-discovery-script")
+        usable_output(write_discovery_script, "--write-discovery-script")
         path = write_text_atomic(write_discovery_script, render_discovery_script(slots), executable=True)
         click.echo(f"wrote {path}", err=True)
         return
     if elastic and launcher != "ray" and not host_discovery_script:  # (Ray: refused by run_on_ray)
         raise click.UsageError("--elastic needs --host-discovery-script (write one with --write-discovery-script)")
     if write_script:
-        usable_output_path(write_script, "--write-script")
+        usable_output(write_script, "--write-script")
     # a terminal here: hvdkit train's ranks send their progress, and this process draws it as a bar
     tty = sys.stderr.isatty() and not is_program(args) and not (dry_run or write_script)
     if launcher == "ray":

@@ -17,7 +17,7 @@ from ..fileio import write_text_atomic
 from ..launch.local import training_program
 from ..launch.slurm import RAY_ENGINE, SLURM_LAUNCHERS, SRUN_MPI, SlurmJob, render_sbatch, submit
 from ..launch.vocabulary import BACKEND_VAR, ELASTIC_LAUNCHER, iface_env
-from .common import FiniteFloat, config_option, translate_errors, usable_output_path
+from .common import FiniteFloat, config_option, translate_errors, usable_output
 from .validate import check_array_params, check_program, check_train_args, is_program
 
 # every default below is SlurmJob's own (tests/test_config.py checks that none drifts)
@@ -161,7 +161,7 @@ def slurm_command(**o: Any) -> None:
                                "HINT: add --elastic, or drop them")
     args = tuple(o["args"])
     if o["out"]:
-        usable_output_path(o["out"], "-o")
+        usable_output(o["out"], "-o")
     # everything the nodes would trip over, checked now: nothing is written when one fails
     if is_program(args):
         check_program(args, o["venv"], o["workdir"])

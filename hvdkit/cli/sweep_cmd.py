@@ -22,7 +22,7 @@ from .common import (
     ray_spec,
     refuse_unused,
     translate_errors,
-    usable_output_dir,
+    usable_output,
 )
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ def sweep_command(space: str, scheduler: str | None, eta: int | None, grace: int
             raise ConfigError("--nodes sizes the job of --engine ray --slurm", "add both, or drop --nodes")
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    usable_output_dir(resume or out, "--resume" if resume else "--out")
+    usable_output(resume or out, "--resume" if resume else "--out", directory=True)
     out_dir = Path(resume or out).resolve()
     if collect:
         try:
