@@ -180,6 +180,9 @@ def seal_ranges(path: Path, ranges: Sequence[tuple[int, int, int]]) -> None:
     fd = os.open(path, os.O_RDWR)
     try:
         end = os.fstat(fd).st_size
+        # sized for the ranges written, which may be fewer than the leaves HDF5's user block
+        # was sized for (empty tensors have none): the user block's unused zeros after it are
+        # then hashed with the metadata, and a reader derives the same size from the count
         block = userblock_for(len(ranges))
         _check_table(ranges, block, end)
         table = b"".join(RANGE.pack(*r) for r in ranges)
