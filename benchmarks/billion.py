@@ -77,13 +77,15 @@ def main() -> None:
               "same_bits": digest["straight"] == digest["resumed"], "digests": digest, "runs": runs}
     subprocess.run(["rm", "-rf", str(ck)], check=True)
     (out / "billion.json").write_text(json.dumps(report, indent=1, default=str))
-    lines = ["| command | wall s | peak RSS per rank GiB | sum GiB | parameters (fp32) | final loss | digest |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| command | wall s | built RSS per rank GiB | peak RSS per rank GiB | sum GiB | parameters (fp32) "
+             "| final loss | digest |", "|---|---|---|---|---|---|---|---|"]
     for name, r in runs.items():
         m = r["metrics"]
         peaks = [x["peak_rss"] / GIB for x in m["memory"]]
+        built = [x.get("built_rss", 0) / GIB for x in m["memory"]]  # once made and sharded, before any step
         params = sum(x["params"] for x in m["memory"]) / 4 / 1e9
-        lines.append(f"| {name} | {r['wall_s']:.0f} | {', '.join(f'{p:.1f}' for p in peaks)} | {sum(peaks):.1f} "
+        lines.append(f"| {name} | {r['wall_s']:.0f} | {', '.join(f'{b:.1f}' for b in built)} "
+                     f"| {', '.join(f'{p:.1f}' for p in peaks)} | {sum(peaks):.1f} "
                      f"| {params:.3f}B | {m.get('final_loss')} | {m['param_digest']} |")
     lines.append(f"\nresumed == straight: {report['same_bits']}; checkpoint "
                  f"{(report['checkpoint_bytes'] or 0) / 1e9:.1f} GB")

@@ -72,17 +72,25 @@ class GPT(nn.Module):
         self.ln = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tok.weight  # weight tying (Press & Wolf)
-        self.apply(self._init)
-        for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
-            if name.endswith(("proj.weight", "mlp.2.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+        self.n_layer = n_layer
+        for name, module in self.named_modules():
+            self.hvdkit_init(name, module)
 
-    @staticmethod
-    def _init(module: nn.Module) -> None:
+    def hvdkit_init(self, name: str, module: nn.Module) -> None:
+        """Initialise ``module``'s own tensors: GPT-2's normal(0, 0.02), its residual projections
+        scaled by 1/sqrt(2 n_layer), LayerNorms at one and zero.
+
+        The constructor calls it for every module; hvdkit calls it too, once per module in
+        ``named_modules()`` order, which lets it build this model on the meta device and make
+        it one module at a time (``--shard full``: no rank ever holds it whole).
+        """
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+            residual = name.endswith(("attn.proj", "mlp.2"))  # GPT-2's scaled init of residual projections
+            nn.init.normal_(module.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.n_layer) if residual else 0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]

@@ -24,7 +24,7 @@ _EXPORTS = {
     # exact metrics over uneven shards, and the tasks hvdkit train scores
     "evaluate": "metrics", "MetricSums": "metrics", "make_task": "tasks", "Task": "tasks",
     # the built-in models and data to try things on, and the check that ranks agree
-    "build_model": "models", "synthetic_dataset": "models", "param_digest": "loop",
+    "build_model": "models", "build_model_lazily": "models", "synthetic_dataset": "models", "param_digest": "loop",
     # what hvdkit raises: one line and a HINT
     "HvdkitError": "errors", "ConfigError": "errors", "CheckpointError": "errors",
     "BackendUnavailableError": "errors", "LauncherEnvError": "errors",

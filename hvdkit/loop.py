@@ -45,9 +45,9 @@ from .fileio import write_json_atomic
 from .log import configure as configure_log
 from .log import debug, diag, warn
 from .log import result as result_line
-from .memory import rank_memory
+from .memory import peak_rss, rank_memory
 from .metrics import evaluate
-from .models import build_model
+from .models import build_model_lazily
 from .nonfinite import NonFiniteWatch
 from .observe import Observers
 from .optim import make_optimizer
@@ -260,6 +260,7 @@ class _Run:
     ckpt: CheckpointManager | None
     watch: NonFiniteWatch
     samples: SampleLog | None
+    built_rss: int  # peak RSS once the model was built and wrapped (memory.rank_memory)
     observers: Observers
     progress: LoopPosition = field(default_factory=LoopPosition)
     loss: RunningLoss = field(init=False)  # the epoch's running loss (over self.progress)
@@ -369,7 +370,8 @@ def _set_up(cfg: TrainConfig, backend: Backend, log: Callable[[str], None], resu
     # Ranks start from *different* weights on purpose: the sync (a restore, or rank 0's
     # broadcast) must make them rank 0's, and the tests check that it does.
     torch.manual_seed(cfg.seed + backend.rank)
-    model = build_model(cfg.model, seed=cfg.seed + backend.rank, args=cfg.model_args)
+    built = build_model_lazily(cfg.model, seed=cfg.seed + backend.rank, args=cfg.model_args)
+    model = built.model
     params = list(model.parameters())
     if not any(p.requires_grad for p in params):
         frozen = ConfigError(f"--model {cfg.model} has nothing to train: "
@@ -381,7 +383,10 @@ def _set_up(cfg: TrainConfig, backend: Backend, log: Callable[[str], None], resu
     task = make_task(cfg.task)
     plan = LrPlan(kind=cfg.lr_schedule, min_ratio=cfg.min_lr_ratio, gamma=cfg.lr_gamma)
     optimizer = make_optimizer(cfg, model, cfg.lr)
-    model, optimizer = backend.wrap(model, optimizer)
+    model, optimizer = backend.wrap(model, optimizer, init=built.init)
+    built_rss = peak_rss()
+    if backend.is_master and (built.declared or cfg.backend.shard == "full"):  # where the path matters
+        diag(f"model: --model {cfg.model} {built.how}")
     if cfg.backend.activation_checkpointing and backend.is_master:
         if backend.checkpointed_blocks:
             diag(f"activation checkpointing: {backend.checkpointed_blocks} block(s) of --model {cfg.model} "
@@ -396,7 +401,7 @@ def _set_up(cfg: TrainConfig, backend: Backend, log: Callable[[str], None], resu
                 val_data=val_data, task=task, model=model, optimizer=optimizer, scheduler=scheduler,
                 scaler=make_scaler(cfg.precision, backend.device),  # fp16 only; checkpointed
                 ckpt=ckpt, watch=NonFiniteWatch(backend, cfg.on_nonfinite), samples=samples,
-                observers=Observers(cfg, backend.is_master))
+                observers=Observers(cfg, backend.is_master), built_rss=built_rss)
 
 
 def _check_data(run: _Run) -> None:
@@ -795,7 +800,7 @@ def _report_done(run: _Run) -> None:
     """Check that every rank holds the same weights, print the summary, write metrics."""
     backend, result, cfg = run.backend, run.result, run.cfg
     backend.sync_buffers(run.model)  # rank 0's BatchNorm statistics, as the checkpoint holds
-    result.memory = backend.gather_objects(rank_memory(backend, run.model, run.optimizer))
+    result.memory = backend.gather_objects(rank_memory(backend, run.model, run.optimizer, run.built_rss))
     for field_name, value in backend.strategy.report().items():  # shard_overlap, compression
         setattr(result, field_name, value)
     digests = backend.gather_objects(param_digest(backend.strategy.replica_state_dict(run.model)))

@@ -22,17 +22,24 @@ from torch import nn
 if TYPE_CHECKING:
     from .backends.base import Backend
 
-__all__ = ["rank_memory"]
+__all__ = ["rank_memory", "peak_rss"]
 
 
 def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def rank_memory(backend: Backend, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+def peak_rss() -> int:
+    """This process's peak resident set size so far, in bytes."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024))
+
+
+def rank_memory(backend: Backend, model: nn.Module, optimizer: torch.optim.Optimizer,
+                built_rss: int = 0) -> dict[str, int]:
     """This rank's ``params``, ``grads`` and ``optimizer_state`` bytes and ``peak_rss`` bytes
-    (what its strategy keeps between steps: ZeRO, the owned part; FSDP, local shards)."""
+    (what its strategy keeps between steps: ZeRO, the owned part; FSDP, local shards), and
+    ``built_rss``: the peak RSS once the model was built and wrapped, before any step (what
+    building it cost: the meta-device path keeps it to this rank's share)."""
     params, trainable, state = backend.strategy.held(model, optimizer)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     return {"params": _nbytes(params), "grads": _nbytes(trainable),
-            "optimizer_state": _nbytes(state), "peak_rss": int(peak)}
+            "optimizer_state": _nbytes(state), "peak_rss": peak_rss(), "built_rss": built_rss}

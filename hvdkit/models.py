@@ -22,9 +22,10 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from .config import MODEL_NAMES
+from .materialise import Built, build
 
-__all__ = ["SmallCNN", "ManyTensorsMLP", "ModelSpec", "MODELS", "build_model", "check_builtin_args",
-           "synthetic_dataset"]
+__all__ = ["SmallCNN", "ManyTensorsMLP", "ModelSpec", "MODELS", "build_model", "build_model_lazily",
+           "check_builtin_args", "synthetic_dataset"]
 
 
 class SmallCNN(nn.Module):
@@ -106,12 +107,8 @@ def check_builtin_args(name: str, args: Mapping[str, Any]) -> None:
                           f"its arguments are: {', '.join(params) or '(none)'}")
 
 
-def build_model(name: str, seed: int = 0, args: Mapping[str, Any] | None = None) -> nn.Module:
-    """Build model ``name`` with weights drawn from ``seed`` (same seed, same weights).
-
-    ``name`` is a built-in (:data:`MODELS`) or an import path ``pkg.module:fn`` /
-    ``file.py:fn`` to a function or class returning an ``nn.Module``, called with ``args``.
-    """
+def _factory(name: str, args: Mapping[str, Any] | None) -> Callable[[], Any]:
+    """A call of ``name``'s factory with ``args``: a built-in or an import path (checked here)."""
     from .factories import call, is_import_path, resolve
 
     args = dict(args or {})
@@ -124,15 +121,37 @@ def build_model(name: str, seed: int = 0, args: Mapping[str, Any] | None = None)
         from .errors import ConfigError
 
         raise ConfigError(f"model {name!r} is not known", f"use one of {', '.join(MODELS)} or pkg.module:fn")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = call(factory, name, args, "--model")
+    return lambda: call(factory, name, args, "--model")
+
+
+def _checked(name: str, model: Any) -> nn.Module:
     if not isinstance(model, nn.Module):
         from .errors import ConfigError
 
         raise ConfigError(f"--model {name} returned a {type(model).__name__}, not a torch.nn.Module",
                           "return the model object from the factory")
     return model
+
+
+def build_model(name: str, seed: int = 0, args: Mapping[str, Any] | None = None) -> nn.Module:
+    """Build model ``name`` with weights drawn from ``seed`` (same seed, same weights).
+
+    ``name`` is a built-in (:data:`MODELS`) or an import path ``pkg.module:fn`` /
+    ``file.py:fn`` to a function or class returning an ``nn.Module``, called with ``args``.
+    """
+    factory = _factory(name, args)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _checked(name, factory())
+
+
+def build_model_lazily(name: str, seed: int = 0, args: Mapping[str, Any] | None = None) -> Built:
+    """:func:`build_model`, on the meta device where the model declares ``hvdkit_init``
+    (:mod:`hvdkit.materialise`): ``Backend.wrap(model, optimizer, init=built.init)`` makes it."""
+    factory = _factory(name, args)
+    built = build(factory, seed)
+    _checked(name, built.model)
+    return built
 
 
 def synthetic_dataset(name: str, num_samples: int, seed: int = 1234) -> Dataset:

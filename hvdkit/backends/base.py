@@ -24,6 +24,7 @@ from ..blocks import checkpoint_activations
 from ..config import BackendConfig
 from ..environments import usable_cores
 from ..errors import ConfigError, HvdkitError
+from ..materialise import MetaInit, has_meta
 from .comm import Wait
 from .modes import make_strategy
 from .strategy import Replicated, Strategy
@@ -136,15 +137,28 @@ class Backend(ABC):
 
     # -- the model: one-line forwards to the strategy -----------------------------------------
     def wrap(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, init: MetaInit | None = None
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Move ``model`` to :attr:`device`, choose the strategy from ``config.shard`` (once)
         and let it make the gradients data-parallel. With ``config.activation_checkpointing``
         each block's activations are recomputed in backward (set before any sharding, which
-        then gathers a block's weights again for the recomputation)."""
+        then gathers a block's weights again for the recomputation).
+
+        A model built on the meta device (``hvdkit.build_model_lazily``) is made here, by its
+        ``init``: whole on every rank where each holds it whole anyway, one module at a time
+        into each rank's shards under ``--shard full``. The optimizer may be built over the
+        meta parameters: it comes back over the made ones."""
+        meta = has_meta(model)
+        if meta and init is None:
+            raise HvdkitError("wrap(): the model has tensors on the meta device and no init= to make them",
+                              "build it with hvdkit.build_model_lazily(...) and pass init=built.init, "
+                              "or build it on a real device")
         if self.config.activation_checkpointing:
             self.checkpointed_blocks = checkpoint_activations(model)
         self._strategy = make_strategy(self.config, self, self.replicated)
+        if meta:
+            assert init is not None
+            return self._strategy.wrap_meta(model, optimizer, init)
         return self._strategy.wrap(model.to(self.device), optimizer)
 
     def unwrap(self, model: nn.Module) -> nn.Module:

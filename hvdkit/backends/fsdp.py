@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterable, Iterator, Sized
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,8 +29,12 @@ from torch import nn
 from ..blocks import shard_units
 from ..errors import HvdkitError
 from ..h5tree import Deferred, Stored
+from ..materialise import own_tensors
 from .comm import Communicator, broadcast_tensors, broadcast_tree
-from .strategy import Strategy, same_optimizer
+from .strategy import Strategy, regrouped
+
+if TYPE_CHECKING:
+    from ..materialise import MetaInit
 
 __all__ = ["FullyShardedStrategy", "shard_model", "model_state", "optimizer_state",
            "scatter_model_state", "scatter_optimizer_state"]
@@ -40,16 +44,36 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.
     hyper-parameters) over the sharded parameters, which are new objects."""
     from torch.distributed.fsdp import fully_shard
 
-    names = {id(p): n for n, p in model.named_parameters()}
-    groups = [([names[id(p)] for p in g["params"]], {k: v for k, v in g.items() if k != "params"})
-              for g in optimizer.param_groups]
-    for unit in shard_units(model):
-        fully_shard(unit)
-    fully_shard(model)
-    params = dict(model.named_parameters())
-    rebuilt = same_optimizer(optimizer, [{**hyper, "params": [params[n] for n in group]}
-                                         for group, hyper in groups])
-    return model, rebuilt
+    def shard() -> None:
+        for unit in shard_units(model):
+            fully_shard(unit)
+        fully_shard(model)
+
+    return model, regrouped(optimizer, model, shard)
+
+
+def make_sharded(model: nn.Module, comm: Communicator, init: MetaInit, root: int = 0) -> None:
+    """Collective: the tensors of a meta-built, sharded ``model`` made, one module at a time:
+    ``root`` makes each module's own tensors whole and initialises them (``init``'s hook), sends
+    each, and every rank keeps its shard. No rank holds more than one module's tensors whole."""
+    _reshard(model)
+    model.to_empty(device=comm.device)  # FSDP2 keeps each sharded parameter object (and ties)
+
+    def send(module: nn.Module, tensors: dict[str, torch.Tensor] | None) -> None:
+        for _, key, target in own_tensors(module):
+            whole = tensors[key].to(comm.device) if tensors is not None else \
+                torch.empty(tuple(target.shape), dtype=target.dtype, device=comm.device)
+            comm.start_broadcast_(whole, root, f"init.{key}")()
+            target.copy_(_scattered(comm, whole, target))
+            del whole
+
+    if comm.rank == root:
+        init.make(send)
+        return
+    with torch.no_grad():  # the others receive, module by module in the same order
+        for _, module in init.order:
+            if any(True for _ in own_tensors(module)):
+                send(module, None)
 
 
 def _reshard(model: nn.Module) -> None:
@@ -184,6 +208,14 @@ class FullyShardedStrategy(Strategy):
         self.model, rebuilt = shard_model(model, optimizer)
         if carried is not None:  # the rebuilt optimizer starts empty: the broadcast scatters root's
             self._loaded[rebuilt] = carried
+        return self.model, rebuilt
+
+    def wrap_meta(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                  init: MetaInit) -> tuple[nn.Module, torch.optim.Optimizer]:
+        # sharded while still on meta, then made: rank 0 initialises one module at a time
+        # and each rank keeps its shard of what it sends (make_sharded)
+        self.model, rebuilt = shard_model(model, optimizer)
+        make_sharded(self.model, self.comm, init)
         return self.model, rebuilt
 
     def close(self) -> None:

@@ -19,8 +19,8 @@ the memory report. It talks to the other ranks only through a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sized
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sized
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,7 +30,11 @@ from .comm import Communicator, broadcast_tensors, broadcast_tree, state_tensors
 from .powersgd import STATE_KEY as POWERSGD_KEY
 from .powersgd import PowerSGD, apply_state, gather_state
 
-__all__ = ["Strategy", "Replicated", "local_step", "clip_gradients", "same_optimizer", "load_module_tensors"]
+if TYPE_CHECKING:
+    from ..materialise import MetaInit
+
+__all__ = ["Strategy", "Replicated", "local_step", "clip_gradients", "same_optimizer", "regrouped",
+           "load_module_tensors"]
 
 
 def load_module_tensors(module: nn.Module, state: dict[str, Any]) -> None:
@@ -70,6 +74,19 @@ def same_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]
     anything = any(p.kind is p.VAR_KEYWORD for p in takes.values())
     kwargs = {k: v for k, v in optimizer.defaults.items() if anything or k in takes}
     return type(optimizer)(groups, **kwargs)
+
+
+def regrouped(optimizer: torch.optim.Optimizer, model: nn.Module,
+              make: Callable[[], None]) -> torch.optim.Optimizer:
+    """``make()`` replaces ``model``'s parameters with new objects (sharding, making a meta-built
+    model); then a new optimizer like ``optimizer`` (same groups and hyper-parameters) over them,
+    each parameter found again by its name."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [([names[id(p)] for p in g["params"]], {k: v for k, v in g.items() if k != "params"})
+              for g in optimizer.param_groups]
+    make()
+    params = dict(model.named_parameters())
+    return same_optimizer(optimizer, [{**hyper, "params": [params[n] for n in group]} for group, hyper in groups])
 
 
 def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
@@ -115,6 +132,14 @@ class Strategy:
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         """``model`` is on the device already; make its gradients data-parallel."""
         return model, optimizer
+
+    def wrap_meta(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                  init: MetaInit) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """:meth:`wrap` for a model built on the meta device (:mod:`hvdkit.materialise`): here
+        made whole on every rank, module by module (each rank holds the whole model anyway;
+        the broadcast that follows every start makes it rank 0's)."""
+        optimizer = regrouped(optimizer, model, lambda: init.apply_whole(model))
+        return self.wrap(model.to(self.comm.device), optimizer)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain module inside what :meth:`wrap` returned (for ``state_dict``)."""
