@@ -279,7 +279,7 @@ def _context(job: SlurmJob, template: str) -> dict[str, Any]:
         "forwarded": [Raw(v) for v in FORWARDED_VARS],
         "master_port_base": MASTER_PORT_BASE, "master_port_span": MASTER_PORT_SPAN,
         "root_mpi_exports": Raw(" ".join(f"{v}=1" for v in ROOT_MPI_VARS)), "stop_file_var": Raw(STOP_FILE_VAR),
-        "mpi_defaults": [(Raw(k), v) for k, v in MPI_DEFAULTS.items()],
+        "mpi_defaults": [(Raw(k), _double_quotable(v)) for k, v in MPI_DEFAULTS.items()],
         "mpirun_base": list(MPIRUN_BASE),
         "slots": job.tasks_per_node,  # for the elastic host discovery
         # --engine ray (slurm/ray.sbatch)
@@ -318,3 +318,11 @@ def submit(script: str, cwd: str | Path | None = None) -> str:
         raise HvdkitError(f"sbatch refused the script: {detail[-1] if detail else proc.returncode}",
                           "check partition/account/limits with 'sinfo' and 'sacctmgr show assoc'")
     return proc.stdout.strip().split(";")[0]
+
+
+def _double_quotable(value: str) -> Raw:
+    """A constant of hvdkit's own, written inside double quotes as it is (``"${VAR:-value}"``):
+    a value with a character special there would be a defect in hvdkit, not in the input."""
+    assert not set(value) & set('"$`\\!'), value
+    return Raw(value)
+
