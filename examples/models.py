@@ -101,6 +101,7 @@ class GPT(nn.Module):
 
 
 def gpt(vocab_size: int, block_size: int = 64, n_layer: int = 4, n_head: int = 4, n_embd: int = 128,
-        dropout: float = 0.0) -> nn.Module:
-    """A character GPT; at the defaults about 0.8M parameters (plus the vocabulary's)."""
+        dropout: float = 0.0) -> GPT:
+    """A character GPT; at the defaults about 0.8M parameters (plus the vocabulary's). The return
+    annotation is what tells hvdkit it may build it on the meta device (GPT.hvdkit_init)."""
     return GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout)

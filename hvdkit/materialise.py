@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["HOOK", "Built", "MetaInit", "build", "has_meta", "own_tensors"]
+__all__ = ["HOOK", "Built", "MetaInit", "build", "declared_class", "has_meta", "own_tensors"]
 
 HOOK = "hvdkit_init"
 
@@ -135,36 +135,54 @@ class Built:
     declared: bool = False  # the model defines the hook (built on meta, or whole and then given the hook pass)
 
 
-def build(factory: Callable[[], Any], seed: int) -> Built:
-    """Call ``factory`` on the meta device when its model declares
-    :data:`HOOK`; otherwise, or when it cannot be built there, whole on the CPU from ``seed``.
+def declared_class(target: Any) -> type[nn.Module] | None:
+    """The module class ``target`` (a model factory: a class, or a function) says it builds, when
+    that class defines :data:`HOOK`: the class itself, or a function's return annotation."""
+    cls = target
+    if not isinstance(target, type):
+        import typing
 
-    A meta-built model comes back with its :class:`MetaInit` (the backend makes it: see
-    ``Backend.wrap``); a whole-built model that declares the hook has had the hook pass already.
+        try:
+            cls = typing.get_type_hints(target).get("return")
+        except Exception:  # an annotation that does not resolve says nothing
+            return None
+    if isinstance(cls, type) and issubclass(cls, nn.Module) and callable(getattr(cls, HOOK, None)):
+        return cls
+    return None
+
+
+def build(factory: Callable[[], Any], seed: int, target: Any = None) -> Built:
+    """Build a model by calling ``factory`` once, on the meta device when ``target`` (what the
+    factory calls: a class, or a function annotated to return one) declares :data:`HOOK`;
+    otherwise, or when it cannot be built there, whole on the CPU from ``seed``.
+
+    Only a declared factory is tried on meta: any other is called once, as before (a factory
+    may have side effects: a download, a log line, Python's own random numbers). A meta-built
+    model comes back with its :class:`MetaInit` (the backend makes it: see ``Backend.wrap``);
+    a whole-built model that has the hook has had the hook pass already, so the bits depend on
+    the model and the seed alone, never on the path.
     """
-    reason = ""
-    try:
-        with torch.device("meta"):
-            model = factory()
-    except Exception as e:  # any failure on meta means: build it whole
-        model, reason = None, f"its factory failed on the meta device ({type(e).__name__}: {str(e)[:120]})"
-    if model is not None and isinstance(model, nn.Module):
-        hook = getattr(model, HOOK, None)
-        if not callable(hook):
-            reason = f"it defines no {HOOK}(name, module)"
-        elif not all(t.is_meta for t in (*model.parameters(), *model.buffers())):
+    reason = f"its factory does not say it returns a model with {HOOK} (annotate its return type)"
+    if declared_class(target) is not None:
+        try:
+            with torch.device("meta"):
+                model = factory()
+        except Exception as e:  # any failure on meta means: build it whole
+            model, reason = None, f"its factory failed on the meta device ({type(e).__name__}: {str(e)[:120]})"
+        if isinstance(model, nn.Module) and callable(getattr(model, HOOK, None)):
+            if all(t.is_meta for t in (*model.parameters(), *model.buffers())):
+                return Built(model, MetaInit(getattr(model, HOOK), seed, list(model.named_modules())),
+                             f"built on the meta device; each module made and initialised by "
+                             f"{type(model).__name__}.{HOOK}, one at a time", declared=True)
             reason = "its factory made some tensors off the meta device"
-        else:
-            order = list(model.named_modules())
-            return Built(model, MetaInit(hook, seed, order),
-                         f"built on the meta device; each module made and initialised by "
-                         f"{type(model).__name__}.{HOOK}, one at a time", declared=True)
+        elif model is not None:
+            reason = f"it returned a {type(model).__name__} without {HOOK}"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = factory()
     hook = getattr(model, HOOK, None) if isinstance(model, nn.Module) else None
-    if callable(hook):
-        MetaInit(hook, seed, list(model.named_modules())).rerun(model)
-    then = f", then initialised by {HOOK} (the bits the meta path gives)" if callable(hook) else ""
-    return Built(model, None, f"built whole on every rank: {reason or 'it returned no module on meta'}{then}",
-                 declared=callable(hook))
+    if not callable(hook):
+        return Built(model, None, f"built whole on every rank: it defines no {HOOK}(name, module)")
+    MetaInit(hook, seed, list(model.named_modules())).rerun(model)
+    return Built(model, None, f"built whole on every rank: {reason}; then initialised by {HOOK} (the bits "
+                              f"the meta path gives)", declared=True)

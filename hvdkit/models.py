@@ -107,8 +107,8 @@ def check_builtin_args(name: str, args: Mapping[str, Any]) -> None:
                           f"its arguments are: {', '.join(params) or '(none)'}")
 
 
-def _factory(name: str, args: Mapping[str, Any] | None) -> Callable[[], Any]:
-    """A call of ``name``'s factory with ``args``: a built-in or an import path (checked here)."""
+def _factory(name: str, args: Mapping[str, Any] | None) -> tuple[Callable[..., Any], Callable[[], Any]]:
+    """``name``'s factory (a built-in or an import path, checked here), and its call with ``args``."""
     from .factories import call, is_import_path, resolve
 
     args = dict(args or {})
@@ -121,7 +121,7 @@ def _factory(name: str, args: Mapping[str, Any] | None) -> Callable[[], Any]:
         from .errors import ConfigError
 
         raise ConfigError(f"model {name!r} is not known", f"use one of {', '.join(MODELS)} or pkg.module:fn")
-    return lambda: call(factory, name, args, "--model")
+    return factory, lambda: call(factory, name, args, "--model")
 
 
 def _checked(name: str, model: Any) -> nn.Module:
@@ -139,17 +139,18 @@ def build_model(name: str, seed: int = 0, args: Mapping[str, Any] | None = None)
     ``name`` is a built-in (:data:`MODELS`) or an import path ``pkg.module:fn`` /
     ``file.py:fn`` to a function or class returning an ``nn.Module``, called with ``args``.
     """
-    factory = _factory(name, args)
+    _, factory = _factory(name, args)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return _checked(name, factory())
 
 
 def build_model_lazily(name: str, seed: int = 0, args: Mapping[str, Any] | None = None) -> Built:
-    """:func:`build_model`, on the meta device where the model declares ``hvdkit_init``
-    (:mod:`hvdkit.materialise`): ``Backend.wrap(model, optimizer, init=built.init)`` makes it."""
-    factory = _factory(name, args)
-    built = build(factory, seed)
+    """:func:`build_model`, on the meta device where the factory is a class defining
+    ``hvdkit_init``, or a function annotated to return one (:mod:`hvdkit.materialise`):
+    ``Backend.wrap(model, optimizer, init=built.init)`` makes it."""
+    target, factory = _factory(name, args)
+    built = build(factory, seed, target)
     _checked(name, built.model)
     return built
 

@@ -39,11 +39,21 @@ def test_a_meta_built_gpt_is_made_to_the_bits_of_a_whole_build_and_keeps_its_tie
             raise RuntimeError("this factory reads a value")
         return build_model(f"{MODELS}:gpt", seed=99, args=SMALL)  # its own draws: all drawn again
 
-    whole = build(no_meta, seed=3)
+    whole = build(no_meta, seed=3, target=type(meta))  # said to build a GPT: tried on meta, failed
     assert whole.init is None and "failed on the meta device (RuntimeError: this factory reads a value)" in whole.how
     assert "then initialised by hvdkit_init" in whole.how
     a, b = _state(meta), _state(whole.model)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    calls = []
+
+    def unannotated() -> nn.Module:  # says nothing of what it builds: called once, whole, as before
+        calls.append(torch.empty(0).is_meta)
+        return build_model(f"{MODELS}:gpt", seed=99, args=SMALL)
+
+    said = build(unannotated, seed=3, target=unannotated)
+    assert calls == [False] and said.init is None and "annotate its return type" in said.how
+    c = _state(said.model)
+    assert all(torch.equal(a[k], c[k]) for k in a)  # the hook pass all the same: the same bits
     # GPT-2's init, not a default one: normal(0, 0.02), LayerNorms at one, biases at zero
     assert abs(float(a["tok.weight"].std()) - 0.02) < 0.002 and torch.equal(a["ln.weight"], torch.ones(64))
     assert torch.equal(a["blocks.0.attn.qkv.bias"], torch.zeros(192))
@@ -55,6 +65,7 @@ def test_a_meta_built_gpt_is_made_to_the_bits_of_a_whole_build_and_keeps_its_tie
 def test_a_model_without_the_hook_is_built_whole_exactly_as_before():
     built = build_model_lazily("mlp", seed=1)
     assert built.init is None and not built.declared and "defines no hvdkit_init" in built.how
+    assert build_model_lazily(f"{MODELS}:digits_cnn", seed=1).init is None  # a function without the annotation
     a, b = _state(built.model), _state(build_model("mlp", seed=1))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -117,8 +128,8 @@ def test_under_shard_full_no_rank_builds_the_model_whole(tmp_path, text):
     (tmp_path / "cpu_gpt.py").write_text(
         "import sys, torch\n"
         f"sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
-        "from models import gpt\n"
-        "def gpt_with_a_cpu_buffer(**kw):\n"
+        "from models import GPT, gpt\n"
+        "def gpt_with_a_cpu_buffer(**kw) -> GPT:  # says it builds a GPT: tried on meta first\n"
         "    model = gpt(**kw)  # a tensor made on the CPU on purpose: this factory cannot run on meta\n"
         "    model.register_buffer('made_here', torch.zeros(1, device='cpu'), persistent=False)\n"
         "    return model\n")
