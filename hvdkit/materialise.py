@@ -13,10 +13,13 @@ full``, where no rank ever holds more than one module's tensors whole).
 Why a declared hook and not ``reset_parameters`` alone: most models re-initialise after
 construction (GPT-2's normal(0.02), torchvision's kaiming for convolutions, zeroed BatchNorm
 weights), and on the meta device those draws are no-ops that cannot be seen. Initialising such
-a model by ``reset_parameters`` would silently change its initial distribution. So a model
-without the hook is built whole, as before, and a model whose factory fails on meta (it makes
-CPU tensors itself, or reads a value) is built whole and then given the same hook pass: the same
-bits as the meta path either way. :func:`build` says which path it took.
+a model by ``reset_parameters`` would silently change its initial distribution.
+
+Only a factory that says it builds such a model (the class itself, or a function annotated to
+return it) is called on meta; any other is called once, whole, as before. A model without the
+hook is built exactly as before; one with the hook whose factory is not annotated, or fails on
+meta (it makes CPU tensors itself, or reads a value), is built whole and then given the same
+hook pass: the same bits as the meta path either way. :func:`build` says which path it took.
 """
 
 from __future__ import annotations
@@ -40,10 +43,10 @@ def has_meta(model: nn.Module) -> bool:
 
 def own_tensors(module: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
     """``(kind, key, tensor)`` for each parameter and buffer ``module`` holds itself."""
-    for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
-        for key, t in table.items():
-            if t is not None:
-                yield kind, key, t
+    for key, p in module.named_parameters(recurse=False):
+        yield "param", key, p
+    for key, b in module.named_buffers(recurse=False):
+        yield "buffer", key, b
 
 
 @dataclass
@@ -98,8 +101,8 @@ class MetaInit:
                               "register every parameter and buffer on a module of the model")
 
     def rerun(self, model: nn.Module) -> None:
-        """The hook pass over a model built whole (its factory failed on meta): the same bits
-        as :meth:`apply_whole` gives, written into its existing tensors."""
+        """The hook pass over a model built whole (its factory was not tried on meta, or failed
+        there): the same bits as :meth:`apply_whole` gives, written into its existing tensors."""
         def write(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
             for _, key, t in own_tensors(module):
                 t.copy_(tensors[key])

@@ -325,4 +325,3 @@ def _double_quotable(value: str) -> Raw:
     a value with a character special there would be a defect in hvdkit, not in the input."""
     assert not set(value) & set('"$`\\!'), value
     return Raw(value)
-
