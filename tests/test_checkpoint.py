@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from helpers import assert_tree_equal, trained_state
+from helpers import PY, assert_tree_equal, check, launch, trained_state
 from hvdkit import BackendConfig, build_model
 from hvdkit.backends import LocalBackend
 from hvdkit.checkpoint import (
@@ -270,6 +270,164 @@ def test_a_format_2_checkpoint_of_hvdkit_0_2_still_resumes(tmp_path):
     assert restored.step == 6
     assert (loop.epoch, loop.global_step, loop.loss_sums, loop.epoch_losses) == (1, 6, [0.25], [0.75])
     assert_tree_equal(fresh.state_dict(), model.state_dict())
+
+
+def _flip_tensor_byte(path, dataset="model/0.weight"):
+    """Flip one bit inside ``dataset``'s bytes: only its CRC (checked as it is read) sees it."""
+    with h5py.File(path, "r") as f:
+        offset = f[dataset].id.get_offset() + 5
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0x04]))
+
+
+def test_a_restore_reads_the_file_once_and_a_damaged_tensor_falls_back_or_fails(tmp_path, caplog):
+    """The restore verifies a format 5 file's metadata first and each tensor as it is read
+    (one pass), straight into the tensors held: a damaged tensor then makes it load the
+    previous checkpoint; with none left it fails, since the states already hold part of it."""
+    backend = LocalBackend(BackendConfig())
+    mgr = CheckpointManager(tmp_path, backend, keep=3)
+    model = build_model("tiny")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    saved = {}
+    for step in (1, 2):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        mgr.save(step, {"model": model, "optimizer": opt})
+
+    fresh = build_model("tiny", seed=9)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    held = next(fresh.parameters())
+    assert mgr.restore({"model": fresh, "optimizer": fresh_opt}).step == 2
+    assert next(fresh.parameters()) is held  # read into the parameter itself, not swapped
+    assert_tree_equal(dict(fresh.state_dict()), saved[2])
+    assert_tree_equal(fresh_opt.state_dict(), opt.state_dict())
+
+    _flip_tensor_byte(tmp_path / "ckpt-000000002.h5")
+    caplog.clear()
+    fresh = build_model("tiny", seed=9)
+    assert mgr.restore({"model": fresh, "optimizer": torch.optim.Adam(fresh.parameters(), lr=1e-2)}).step == 1
+    assert_tree_equal(dict(fresh.state_dict()), saved[1])
+    warnings = [r.getMessage() for r in caplog.records if r.name == "hvdkit"]
+    assert warnings == [f"WARNING: skipping ckpt-000000002.h5: checkpoint {tmp_path / 'ckpt-000000002.h5'} is "
+                        "corrupt: checksum mismatch in dataset /model/0.weight; trying the previous "
+                        "checkpoint"], warnings
+
+    with pytest.raises(CheckpointError, match="checksum mismatch in dataset /model/0.weight"):
+        mgr.restore({"model": fresh}, path=tmp_path / "ckpt-000000002.h5")  # named: no fall back
+    _flip_tensor_byte(tmp_path / "ckpt-000000001.h5")
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* verifies, and the states already hold part "
+                       r"of ckpt-000000001.h5, whose tensors were damaged") as info:
+        mgr.restore({"model": build_model("tiny")})
+    assert "HINT: move the damaged checkpoints out of" in str(info.value)
+
+
+LATE_DAMAGE = """
+import logging
+import sys
+from pathlib import Path
+
+import h5py
+import torch
+
+import hvdkit
+from hvdkit.checkpoint import read_checkpoint
+from hvdkit.h5tree import materialize, tree_leaves
+
+shard, directory, dataset = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+logging.basicConfig(level=logging.WARNING, format="%(message)s")  # hvdkit's warnings, as an application shows them
+backend = hvdkit.create_backend(hvdkit.BackendConfig(name="ddp", shard=shard))
+
+
+def states():
+    torch.manual_seed(0)
+    model = hvdkit.build_model("tiny")
+    model, opt = backend.wrap(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+    backend.broadcast_state(model, opt)
+    return {"model": model, "optimizer": opt}
+
+
+mgr = hvdkit.CheckpointManager(directory, backend, keep=3)
+held = states()
+for step in (1, 2):
+    with backend.accumulate(held["model"], sync=True):
+        held["model"](torch.randn(4, 8, generator=torch.Generator().manual_seed(backend.rank))).sum().backward()
+    backend.optimizer_step(held["optimizer"])
+    held["optimizer"].zero_grad()
+    mgr.save(step, held)
+if backend.rank == 0:  # one bit of a tensor that a sharded strategy reads while it sends it on
+    newest = directory / "ckpt-000000002.h5"
+    with h5py.File(newest, "r") as f:
+        offset = f[dataset].id.get_offset() + 3
+    with open(newest, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0x08]))
+backend.barrier()
+fresh = states()
+restored = mgr.restore(fresh)
+print(f"rank {backend.rank} restored step {restored.step}", flush=True)
+mgr.save(9, fresh)  # what every rank now holds, gathered: step 1's state exactly
+if backend.rank == 0:
+    again, first = (read_checkpoint(directory / f"ckpt-00000000{n}.h5") for n in (9, 1))
+    for key in ("model", "optimizer"):
+        a, b = list(tree_leaves(materialize(again[key]))), list(tree_leaves(materialize(first[key])))
+        assert len(a) == len(b) > 0 and all(torch.equal(x, y) for x, y in zip(a, b)), key
+    print("same as step 1", flush=True)
+backend.shutdown()
+"""
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(300)  # measured 9-12 s each (2 cores)
+@pytest.mark.parametrize("shard,dataset", [("optimizer", "optimizer/state/0/exp_avg"), ("full", "model/0.weight")])
+def test_a_tensor_found_damaged_while_a_sharded_strategy_sends_it_makes_every_rank_load_the_previous(
+        tmp_path, shard, dataset):
+    """ZeRO and FSDP read rank 0's tensors inside the collective that sends them on: a damaged
+    one is found there, every rank goes on to the end of it, then all load the previous file."""
+    script = tmp_path / "late.py"
+    script.write_text(LATE_DAMAGE)
+    out = check(launch("mpirun", 2, [PY, str(script), shard, str(tmp_path / "ck"), dataset], timeout=240))
+    assert "rank 0 restored step 1" in out and "rank 1 restored step 1" in out, out
+    assert out.count("WARNING: skipping ckpt-000000002.h5: checkpoint") == 1, out
+    assert f"checksum mismatch in dataset /{dataset}" in out and "same as step 1" in out, out
+
+
+def test_a_checkpoint_replaced_between_its_check_and_its_open_is_refused(tmp_path, monkeypatch):
+    """HDF5 opens the file by name after its metadata verified: that must be the same file."""
+    model, _, _ = trained_state()
+    good = write_checkpoint(tmp_path / "ckpt-000000001.h5", Snapshot(states={"model": model.state_dict()}))
+    other = write_checkpoint(tmp_path / "other.h5", Snapshot(states={"model": model.state_dict()}))
+    real_open = h5py.File
+
+    def swap_then_open(name, *args, **kwargs):
+        other.replace(good)  # a writer's rename lands between the check and the open
+        return real_open(name, *args, **kwargs)
+
+    monkeypatch.setattr(h5py, "File", swap_then_open)
+    from hvdkit.checkpoint import open_checkpoint
+
+    with pytest.raises(CheckpointError, match="was replaced while it was opened") as info:
+        open_checkpoint(good, as_read=True)
+    assert "HINT: resume again" in str(info.value)
+
+
+def test_the_crc_is_isal_s_and_the_same_as_zlib_s():
+    """ISA-L's CRC-32 is a dependency (the fast path is the default) and gives zlib's values."""
+    import zlib
+
+    import isal.isal_zlib
+
+    from hvdkit import h5tree
+
+    assert h5tree.crc32 is isal.isal_zlib.crc32
+    data = np.random.default_rng(0).bytes(3 << 20)
+    assert h5tree.crc32(data, 7) == zlib.crc32(data, 7)
+    assert h5tree.crc32_of(np.frombuffer(data, np.float32)) == zlib.crc32(data)
 
 
 def test_restore_with_no_checkpoint_is_fresh_start(tmp_path):

@@ -55,6 +55,14 @@ def _two_checkpoints(directory, fmt):
     return mgr
 
 
+def _fresh_states():
+    torch.manual_seed(1)
+    model = build_model("tiny", seed=5)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    return {"model": model, "optimizer": opt, "scheduler": sched, "loop": LoopPosition()}
+
+
 @pytest.mark.parametrize("fmt", [5, 4, 3])
 def test_random_byte_flips_are_detected_or_harmless(tmp_path, caplog, fmt):
     mgr = _two_checkpoints(tmp_path, fmt)
@@ -64,7 +72,7 @@ def test_random_byte_flips_are_detected_or_harmless(tmp_path, caplog, fmt):
     older = read_checkpoint(tmp_path / "ckpt-000000001.h5")
     rng = random.Random(20261203)
     outcomes = {"detected": 0, "harmless": 0, "named": 0}
-    for _ in range(FLIPS):
+    for flip in range(FLIPS):
         data = bytearray(pristine_bytes)
         offset = rng.randrange(len(data))
         data[offset] ^= 1 << rng.randrange(8)
@@ -90,6 +98,16 @@ def test_random_byte_flips_are_detected_or_harmless(tmp_path, caplog, fmt):
             assert_tree_equal(got[name], want[name], f"flip {offset}: {name}")
         assert_tree_equal(got.rng, want.rng, f"flip {offset}: rng")
         assert got.meta == want.meta, f"flip at byte {offset}"
+        if fmt == 5 and flip % 3 == 0:  # a restore reads the file once, each tensor checked as it is read
+            caplog.clear()
+            states = _fresh_states()
+            restored = mgr.restore(states)
+            again = "".join(r.getMessage() + "\n" for r in caplog.records
+                            if r.name == "hvdkit" and "skipping" in r.getMessage())
+            assert (restored.path, again) == (path, warning), f"flip at byte {offset}: {again!r}"
+            assert_tree_equal(dict(states["model"].state_dict()), want["model"], f"flip {offset}: restored model")
+            assert_tree_equal(states["optimizer"].state_dict()["state"], want["optimizer"]["state"],
+                              f"flip {offset}: restored optimizer")
     print(f"{FLIPS} flips over {len(pristine_bytes)} bytes: {outcomes}")
     assert outcomes["detected"] > FLIPS // 2  # most bytes of a small checkpoint are content
     if fmt == 5:  # a flip in a tensor's bytes names the tensor

@@ -51,7 +51,9 @@ def load_module_tensors(module: nn.Module, state: dict[str, Any]) -> None:
     with torch.no_grad():
         for name, target in own.items():
             value = state[name]
-            value = value.read() if isinstance(value, Stored) else value
+            value = value.read_into(target) if isinstance(value, Stored) else value
+            if value is target:  # read straight into it
+                continue
             if not isinstance(target, torch.Tensor) or not isinstance(value, torch.Tensor):
                 rest[name] = value  # a module's extra state: its own loader takes it
                 continue

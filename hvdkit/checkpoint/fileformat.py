@@ -54,7 +54,16 @@ from ..h5tree import (
     tree_leaves,
     write_tree,
 )
-from .integrity import DataRangeError, HeaderError, content_checksum, seal_ranges, userblock_for, verify_sealed
+from .integrity import (
+    DataRangeError,
+    HeaderError,
+    RangeReader,
+    content_checksum,
+    open_ranges,
+    seal_ranges,
+    userblock_for,
+    verify_sealed,
+)
 
 __all__ = ["Snapshot", "write_checkpoint", "drain", "read_checkpoint", "open_checkpoint", "OpenCheckpoint",
            "verify_checkpoint", "checkpoint_name", "step_of", "FORMAT", "FORMAT_VERSION", "RESERVED", "DAMAGED_HINT",
@@ -282,10 +291,20 @@ def _seal_file(tmp: Path, slots: list[Slot], crcs: list[int]) -> None:
 def open_checked(path: Path) -> Any:
     """An open, read-only ``h5py.File`` of a checkpoint whose sealed header verified (the whole
     file checked in one pass first: HDF5 never sees damage)."""
+    return _open_verified(path, as_read=False)[0]
+
+
+def _open_verified(path: Path, as_read: bool) -> tuple[Any, RangeReader | None]:
+    """:func:`open_checked`; with ``as_read``, a format 5 file's metadata alone is verified
+    first, and its tensors are left to the :class:`RangeReader` returned, which checks each as
+    it is read (older formats: the whole file first, and no reader)."""
     import h5py
 
+    reader = None
     try:
-        verify_sealed(path)
+        reader = open_ranges(path) if as_read else None
+        if reader is None:
+            verify_sealed(path)
     except DataRangeError as exc:  # the metadata verified: HDF5 may name the damaged tensor
         raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in dataset "
                               f"{_dataset_at(path, exc.offset)}", DAMAGED_HINT) from None
@@ -302,17 +321,28 @@ def open_checked(path: Path) -> Any:
     try:
         f = h5py.File(path, "r")
     except Exception as exc:  # a damaged superblock raises many types
+        if reader is not None:
+            reader.close()
         raise CheckpointError(f"checkpoint {path} is truncated or not an HDF5 file ({first_line(exc)})",
                               DAMAGED_HINT) from None
     try:
         is_ours = f.attrs.get("format") == FORMAT
+        if reader is not None:  # HDF5 opened the name again: the file verified, not one put there since
+            st = os.fstat(f.id.get_vfd_handle())
+            replaced = (st.st_dev, st.st_ino) != reader.identity()
+        else:
+            replaced = False
     except Exception:
-        is_ours = False
-    if not is_ours:
+        is_ours, replaced = False, False
+    if replaced or not is_ours:
         f.close()
+        if reader is not None:
+            reader.close()
+        if replaced:
+            raise CheckpointError(f"checkpoint {path} was replaced while it was opened", "resume again")
         raise CheckpointError(f"{path} is not an hvdkit checkpoint (or its header is damaged)",
                               "pass a file written by hvdkit")
-    return f
+    return f, reader
 
 
 def _dataset_at(path: Path, offset: int) -> str:
@@ -350,13 +380,23 @@ def _content_ok(f: Any) -> bool:
 class OpenCheckpoint:
     """A verified checkpoint held open, its tensors read when asked (:class:`~hvdkit.h5tree.Stored`
     leaves in ``snapshot.states``): what a restore loads from, one tensor at a time. Close it
-    (or use it as a context manager) when every tensor has been read."""
+    (or use it as a context manager) when every tensor has been read.
 
-    def __init__(self, path: Path, f: Any, snapshot: Snapshot) -> None:
-        self.path, self.file, self.snapshot = path, f, snapshot
+    Opened ``as_read``, its tensors are checked as they are read, and :attr:`damaged` names
+    those whose bytes did not match: check it once every tensor has been read."""
+
+    def __init__(self, path: Path, f: Any, snapshot: Snapshot, reader: RangeReader | None = None) -> None:
+        self.path, self.file, self.snapshot, self.reader = path, f, snapshot, reader
+
+    @property
+    def damaged(self) -> list[str]:
+        """Datasets read so far whose bytes did not match their CRC-32 (``as_read`` only)."""
+        return list(self.reader.damaged) if self.reader is not None else []
 
     def close(self) -> None:
         self.file.close()
+        if self.reader is not None:
+            self.reader.close()
 
     def __enter__(self) -> OpenCheckpoint:
         return self
@@ -365,22 +405,33 @@ class OpenCheckpoint:
         self.close()
 
 
-def open_checkpoint(path: str | os.PathLike[str], verify: bool = True) -> OpenCheckpoint:
+def open_checkpoint(path: str | os.PathLike[str], verify: bool = True, as_read: bool = False) -> OpenCheckpoint:
     """Verify a checkpoint (sealed header, content checksum) and hold it open, its tensors
-    unread; raises :class:`CheckpointError` if it is corrupt."""
+    unread; raises :class:`CheckpointError` if it is corrupt.
+
+    ``as_read`` (format 5 files, with ``verify``): only the metadata is verified now (the
+    SHA-256 of every byte outside the tensors), and each tensor is checked as it is read,
+    straight from the verified file: one pass over the file instead of two. A damaged tensor
+    is then recorded in :attr:`OpenCheckpoint.damaged`, not raised, so that a read inside a
+    collective goes on; the caller must check it once the tensors are read (what
+    :meth:`~hvdkit.checkpoint.CheckpointManager.restore` does)."""
     path = Path(path)
-    f = open_checked(path)
+    f, reader = _open_verified(path, as_read and verify)
     try:
         meta = _read_meta(f)
-        states = {key: read_tree(f, key, verify, True, lazy=True) for key in meta["states"]}
-        rng = materialize(read_tree(f, "rng", verify, True, lazy=True)) if "rng" in f else {}
-        if verify and not _content_ok(f):
+        states = {key: read_tree(f, key, verify, True, lazy=True, source=reader) for key in meta["states"]}
+        rng = materialize(read_tree(f, "rng", verify, True, lazy=True, source=reader)) if "rng" in f else {}
+        # with a reader, the SHA-256 just checked covers every name and attribute (the content
+        # checksum's whole input): it is checked again by `hvdkit ckpt verify`, not here
+        if verify and reader is None and not _content_ok(f):
             raise ChecksumMismatch("content checksum mismatch (an attribute, name or "
                                    "state value differs from what was written)")
         return OpenCheckpoint(path, f, Snapshot(states=states, rng=[rng[str(i)] for i in range(len(rng))],
-                                                meta=meta))
+                                                meta=meta), reader)
     except Exception as exc:  # any damage is "corrupt", never a traceback
         f.close()
+        if reader is not None:
+            reader.close()
         if isinstance(exc, CheckpointError):
             raise
         raise CheckpointError(f"checkpoint {path} is corrupt: {first_line(exc)}", DAMAGED_HINT) from None

@@ -29,7 +29,16 @@ from ..config import parse_keep_best
 from ..errors import EXIT_NONFINITE, CheckpointError, ConfigError, first_line
 from ..fileio import write_json_atomic, write_text_atomic
 from ..log import diag, warn
-from .fileformat import OpenCheckpoint, Snapshot, checkpoint_name, drain, open_checkpoint, step_of, write_checkpoint
+from .fileformat import (
+    DAMAGED_HINT,
+    OpenCheckpoint,
+    Snapshot,
+    checkpoint_name,
+    drain,
+    open_checkpoint,
+    step_of,
+    write_checkpoint,
+)
 from .rng import capture_rng, restore_rng
 
 __all__ = ["CheckpointManager", "Restored", "parse_keep_best"]
@@ -210,27 +219,34 @@ class CheckpointManager:
         (:func:`hvdkit.state.broadcast`); with no checkpoint, rank 0's *fresh* states are
         broadcast, so every rank starts from the same weights either way. Each rank's RNG is
         restored when the world size is the one saved. Returns ``None`` for a fresh start.
+
+        The file is read once: its metadata is verified first, and each tensor as it is read
+        (``open_checkpoint(as_read=True)``). A damaged tensor found while rank 0 loads it, or
+        while a sharded strategy sends it on, makes every rank load the previous checkpoint
+        instead; when there is none, the restore fails (the states already hold part of the
+        damaged one, so a fresh start is no longer possible).
         """
-        outcome: tuple[bool, Any] | None = None
+        skipped: list[Path] = []
         opened: OpenCheckpoint | None = None
         try:
-            if self.backend.is_master:
-                try:
-                    opened = open_checkpoint(path) if path is not None else self.find_latest_valid()
-                    if opened is None:
-                        outcome = (True, None)
-                    else:
-                        snap = opened.snapshot
-                        # tensors stay in the file: each is read when the strategy loads it, or
-                        # when the broadcast below sends it on
-                        remainder = states_mod.apply(states, snap.states, self.backend, strict=strict)
-                        outcome = (True, {"path": str(opened.path), "step": snap.step, "rng": snap.rng,
-                                          "world_size": snap.meta.get("world_size"),
-                                          "metrics": snap.metrics, "remainder": remainder})
-                except Exception as exc:
-                    outcome = self._failure(exc)
-            info = self._agree(outcome)
-            states_mod.broadcast(states, self.backend, root=0)
+            while True:
+                outcome: tuple[bool, Any] | None = None
+                if self.backend.is_master:
+                    try:
+                        opened, outcome = self._load(states, path, strict, skipped)
+                    except Exception as exc:
+                        outcome = self._failure(exc)
+                info = self._agree(outcome)
+                states_mod.broadcast(states, self.backend, root=0)
+                # tensors a sharded strategy read while it sent them on: checked now, agreed by
+                # every rank (a failure raises on each; "previous": every rank loads again)
+                late: tuple[bool, Any] | None = (True, None) if self.backend.is_master else None
+                if opened is not None and opened.damaged:
+                    late = self._damage(opened, path, skipped)
+                    opened.close()
+                    opened = None
+                if self._agree(late) is None:
+                    break
         finally:
             if opened is not None:
                 opened.close()
@@ -242,3 +258,52 @@ class CheckpointManager:
             diag(f"resumed from {info['path']} (step {info['step']})")
         return Restored(path=Path(info["path"]), step=int(info["step"]), world_size=info["world_size"],
                         metrics=info["metrics"], remainder=info["remainder"])
+
+    def _load(self, states: dict[str, Any], path: str | os.PathLike[str] | None, strict: bool,
+              skipped: list[Path]) -> tuple[OpenCheckpoint | None, tuple[bool, Any]]:
+        """Rank 0: load the newest checkpoint that verifies as it is read (or ``path``) into
+        ``states``, skipping those in ``skipped``; (the file held open, the outcome to agree on)."""
+        candidates = [Path(path)] if path is not None else [p for p in self._candidates() if p not in skipped]
+        for candidate in candidates:
+            try:
+                opened = open_checkpoint(candidate, as_read=True)
+            except CheckpointError as exc:
+                if path is not None:
+                    raise
+                warn(f"skipping {candidate.name}: {exc.message}; trying the previous checkpoint")
+                continue
+            try:
+                snap = opened.snapshot
+                # tensors stay in the file: each is read when the strategy loads it, or
+                # when the broadcast sends it on
+                remainder = states_mod.apply(states, snap.states, self.backend, strict=strict)
+            except BaseException:
+                opened.close()
+                raise
+            if opened.damaged:
+                failure = self._damage(opened, path, skipped)
+                opened.close()
+                if failure[0] is False:
+                    return None, failure
+                continue
+            return opened, (True, {"path": str(opened.path), "step": snap.step, "rng": snap.rng,
+                                   "world_size": snap.meta.get("world_size"), "metrics": snap.metrics,
+                                   "remainder": remainder})
+        if skipped:  # a damaged one was loaded in part: the states are no longer fresh
+            return None, self._failure(CheckpointError(
+                f"no checkpoint in {self.directory} verifies, and the states already hold part of "
+                f"{skipped[-1].name}, whose tensors were damaged", "move the damaged checkpoints out of "
+                f"{self.directory} to start fresh, or put back a copy of one"))
+        return None, (True, None)
+
+    def _damage(self, opened: OpenCheckpoint, path: str | os.PathLike[str] | None,
+                skipped: list[Path]) -> tuple[bool, Any]:
+        """Rank 0, a checkpoint whose tensors did not match their CRC as they were read: warn
+        and add it to ``skipped`` (then ``(True, "previous")``), or the failure for ``path``."""
+        error = CheckpointError(f"checkpoint {opened.path} is corrupt: checksum mismatch in dataset "
+                                f"{opened.damaged[0]}", DAMAGED_HINT)
+        if path is not None:
+            return self._failure(error)
+        warn(f"skipping {opened.path.name}: {error.message}; trying the previous checkpoint")
+        skipped.append(opened.path)
+        return True, "previous"
