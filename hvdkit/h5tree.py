@@ -163,31 +163,35 @@ class Stored:
 
     def _ranged(self) -> int | None:
         """The dataset's offset where :attr:`source` reads it (one contiguous range), else None."""
-        if self.source is None or self.dataset.attrs.get("kind") == "ndarray" or not self.tensors:
+        if self.source is None:
             return None
         offset = self.dataset.id.get_offset()
         return offset if offset is not None and self.source.covers(offset, self.nbytes) else None
+
+    def _crc(self) -> int | None:
+        crc = self.dataset.attrs.get("crc32") if self.verify else None
+        return None if crc is None else int(crc)
 
     def read(self) -> Any:
         offset = self._ranged()
         if offset is None:
             return _read_dataset(self.dataset, self.verify, self.tensors, self.source)
         arr = np.empty(self.dataset.shape, self.dataset.dtype)
-        self.source.read_into(offset, arr.reshape(-1).view(np.uint8).data, self.dataset.name)
-        return _as_tensor(arr, self.dataset)
+        self.source.read_into(offset, arr.reshape(-1).view(np.uint8).data, self.dataset.name, self._crc())
+        return arr if self.dataset.attrs.get("kind") == "ndarray" or not self.tensors else _as_tensor(arr, self.dataset)
 
     def read_into(self, like: Any) -> Any:
         """The stored tensor, read into ``like`` (a contiguous CPU tensor of its shape and
         dtype: no second copy of it is made) and returned; anything else is :meth:`read`."""
         import torch
 
-        offset = self._ranged()
+        offset = self._ranged() if self.tensors and self.dataset.attrs.get("kind") != "ndarray" else None
         if offset is None or not isinstance(like, torch.Tensor) or like.device.type != "cpu" \
                 or not like.is_contiguous() or tuple(like.shape) != self.shape \
                 or like.dtype != _torch_dtype(self.dataset):
             return self.read()
         view = like.detach().reshape(-1).view(torch.uint8).numpy()
-        self.source.read_into(offset, view.data, self.dataset.name)
+        self.source.read_into(offset, view.data, self.dataset.name, self._crc())
         return like
 
 

@@ -397,6 +397,46 @@ def test_a_tensor_found_damaged_while_a_sharded_strategy_sends_it_makes_every_ra
     assert f"checksum mismatch in dataset /{dataset}" in out and "same as step 1" in out, out
 
 
+def test_a_header_resealed_over_a_damaged_tensor_is_still_caught_by_the_datasets_own_crc(tmp_path):
+    """The two layers must agree: a tool that rewrote the sealed table to match damaged bytes
+    is caught by the dataset's CRC attribute, by `ckpt verify` (one pass, no second read of
+    the tensor) and by a restore (checked as it reads)."""
+    import zlib
+
+    from hvdkit.checkpoint.integrity import seal_ranges, verify_sealed
+
+    backend = LocalBackend(BackendConfig())
+    mgr = CheckpointManager(tmp_path, backend)
+    model = build_model("tiny")
+    path = mgr.save(1, {"model": model})
+    table = verify_sealed(path)
+    _flip_tensor_byte(path)
+    with h5py.File(path, "r") as f:
+        damaged = f["model/0.weight"].id.get_offset()
+    data = path.read_bytes()
+    seal_ranges(path, [(offset, length, zlib.crc32(data[offset:offset + length]) if offset == damaged else crc)
+                       for offset, (length, crc) in table.items()])
+    assert verify_sealed(path)[damaged][1] != table[damaged][1]  # the header now matches the damage
+    ok, message = verify_checkpoint(path)
+    assert not ok and "checksum mismatch in dataset /model/0.weight" in message, message
+    with pytest.raises(CheckpointError, match="checksum mismatch in dataset /model/0.weight"):
+        mgr.restore({"model": build_model("tiny", seed=3)}, path=path)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_export_checks_each_tensor_it_writes_and_writes_nothing_from_a_damaged_one(tmp_path, fmt):
+    mgr = CheckpointManager(tmp_path, LocalBackend(BackendConfig()))
+    path = mgr.save(1, {"model": build_model("tiny")})
+    out = tmp_path / "weights.out"
+    assert CliRunner().invoke(cli, ["ckpt", "export", str(path), str(out), "--format", fmt]).exit_code == 0
+    out.unlink()
+    _flip_tensor_byte(path, "model/2.weight")  # found after 0.weight and 0.bias were written
+    result = CliRunner().invoke(cli, ["ckpt", "export", str(path), str(out), "--format", fmt])
+    assert result.exit_code == 1 and "checksum mismatch in dataset /model/2.weight" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000001.h5", "latest"]  # no temp file left
+
+
 def test_a_checkpoint_replaced_between_its_check_and_its_open_is_refused(tmp_path, monkeypatch):
     """HDF5 opens the file by name after its metadata verified: that must be the same file."""
     model, _, _ = trained_state()

@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import CheckpointError, first_line
 from ..fileio import fsync_dir
 from ..h5tree import Stored, read_tree
-from .fileformat import DAMAGED_HINT, _read_meta, open_checked
+from .fileformat import DAMAGED_HINT, _open_verified, _read_meta
 
 __all__ = ["export_weights", "FORMATS"]
 
@@ -53,9 +53,10 @@ def _module_key(meta: dict[str, Any], state: str | None) -> str:
     return modules[0]
 
 
-def _tensors(f: Any, key: str) -> list[tuple[str, Stored]]:
-    """The module state's tensors in its order (non-tensor entries, a module's extra state, left out)."""
-    tree = read_tree(f, key, verify=True, tensors=False, lazy=True)
+def _tensors(f: Any, key: str, source: Any) -> list[tuple[str, Stored]]:
+    """The module state's tensors in its order (non-tensor entries, a module's extra state, left
+    out), read by ``source`` where it is a reader."""
+    tree = read_tree(f, key, verify=True, tensors=False, lazy=True, source=source)
     if not isinstance(tree, dict):
         raise CheckpointError(f"state {key!r} is not a module's state dict", "pass --state naming a model")
     return [(name, leaf) for name, leaf in tree.items() if isinstance(leaf, Stored)]
@@ -147,12 +148,17 @@ def export_weights(path: str | os.PathLike[str], out: str | os.PathLike[str], fm
         raise CheckpointError(f"--format {fmt} is not known", f"use one of: {', '.join(FORMATS)}")
     path, out = Path(path), Path(out)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    f = open_checked(path)  # the whole file's digest first, in blocks
+    # the metadata verified first; each tensor exported is checked as it is read (one pass
+    # over the model's bytes: an optimizer's state is not read; `hvdkit ckpt verify` reads all)
+    f, reader, _ = _open_verified(path, as_read=True)
     try:
         with f:
             key = _module_key(_read_meta(f), state)
-            tensors = _tensors(f, key)
+            tensors = _tensors(f, key, reader)
             (_write_safetensors if fmt == "safetensors" else _write_torch)(tmp, tensors)
+        if reader is not None and reader.damaged:
+            raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in dataset {reader.damaged[0]}",
+                                  DAMAGED_HINT)
         os.replace(tmp, out)
         fsync_dir(out.parent)
         return len(tensors), sum(leaf.nbytes for _, leaf in tensors)
@@ -164,3 +170,5 @@ def export_weights(path: str | os.PathLike[str], out: str | os.PathLike[str], fm
         raise CheckpointError(f"checkpoint {path} is corrupt: {first_line(exc)}", DAMAGED_HINT) from None
     finally:
         tmp.unlink(missing_ok=True)
+        if reader is not None:
+            reader.close()

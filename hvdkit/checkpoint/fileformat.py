@@ -66,8 +66,8 @@ from .integrity import (
 )
 
 __all__ = ["Snapshot", "write_checkpoint", "drain", "read_checkpoint", "open_checkpoint", "OpenCheckpoint",
-           "verify_checkpoint", "checkpoint_name", "step_of", "FORMAT", "FORMAT_VERSION", "RESERVED", "DAMAGED_HINT",
-           "open_checked", "human_size"]
+           "verify_checkpoint", "check_checkpoint", "checkpoint_name", "step_of", "FORMAT", "FORMAT_VERSION",
+           "RESERVED", "DAMAGED_HINT", "open_checked", "open_metadata", "human_size"]
 
 FORMAT = "hvdkit-checkpoint"
 FORMAT_VERSION = 5
@@ -294,17 +294,30 @@ def open_checked(path: Path) -> Any:
     return _open_verified(path, as_read=False)[0]
 
 
-def _open_verified(path: Path, as_read: bool) -> tuple[Any, RangeReader | None]:
-    """:func:`open_checked`; with ``as_read``, a format 5 file's metadata alone is verified
+def open_metadata(path: Path) -> Any:
+    """:func:`open_checked` for what only reads names and attributes (``hvdkit ckpt show``'s
+    listing): a format 5 file's metadata is verified (kilobytes), its tensors are not read.
+    Older formats are verified whole."""
+    f, reader, _ = _open_verified(path, as_read=True)
+    if reader is not None:
+        reader.close()  # nothing reads a tensor through it
+    return f
+
+
+def _open_verified(path: Path, as_read: bool) -> tuple[Any, RangeReader | None, dict[int, tuple[int, int]] | None]:
+    """:func:`open_checked`, and a format 5 file's table of data ranges (``{offset: (length,
+    crc)}``, else ``None``); with ``as_read``, a format 5 file's metadata alone is verified
     first, and its tensors are left to the :class:`RangeReader` returned, which checks each as
     it is read (older formats: the whole file first, and no reader)."""
     import h5py
 
-    reader = None
+    reader, table = None, None
     try:
         reader = open_ranges(path) if as_read else None
         if reader is None:
-            verify_sealed(path)
+            table = verify_sealed(path)
+        else:
+            table = reader.ranges
     except DataRangeError as exc:  # the metadata verified: HDF5 may name the damaged tensor
         raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in dataset "
                               f"{_dataset_at(path, exc.offset)}", DAMAGED_HINT) from None
@@ -342,7 +355,7 @@ def _open_verified(path: Path, as_read: bool) -> tuple[Any, RangeReader | None]:
             raise CheckpointError(f"checkpoint {path} was replaced while it was opened", "resume again")
         raise CheckpointError(f"{path} is not an hvdkit checkpoint (or its header is damaged)",
                               "pass a file written by hvdkit")
-    return f, reader
+    return f, reader, table
 
 
 def _dataset_at(path: Path, offset: int) -> str:
@@ -416,7 +429,7 @@ def open_checkpoint(path: str | os.PathLike[str], verify: bool = True, as_read: 
     collective goes on; the caller must check it once the tensors are read (what
     :meth:`~hvdkit.checkpoint.CheckpointManager.restore` does)."""
     path = Path(path)
-    f, reader = _open_verified(path, as_read and verify)
+    f, reader, _ = _open_verified(path, as_read and verify)
     try:
         meta = _read_meta(f)
         states = {key: read_tree(f, key, verify, True, lazy=True, source=reader) for key in meta["states"]}
@@ -468,22 +481,39 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> tuple[bool, str]:
     """(ok, message) without raising, in bounded memory: the sealed header (the file hashed in
     blocks), the content checksum, and every dataset's CRC, one dataset at a time. Used by
     ``hvdkit ckpt verify`` and ``show``."""
+    try:
+        check_checkpoint(path)
+    except CheckpointError as exc:
+        return False, str(exc)
+    return True, "checksum OK"
+
+
+def check_checkpoint(path: str | os.PathLike[str]) -> None:
+    """:func:`verify_checkpoint`, raising :class:`CheckpointError`. A format 5 file is read
+    once: the pass over the whole file checks each tensor's range against the sealed table,
+    and each dataset's own CRC attribute is then compared with its range's (the two layers
+    must agree, so a header rewritten to match still names the tensor) without reading the
+    tensor again. Older formats read each dataset a second time for its CRC."""
     import h5py
 
     path = Path(path)
-    try:
-        f = open_checked(path)
-    except CheckpointError as exc:
-        return False, str(exc)
+    f, _, table = _open_verified(path, as_read=False)
     try:
         with f:
             datasets: list[Any] = []
             f.visititems(lambda _name, node: datasets.append(node) if isinstance(node, h5py.Dataset) else None)
             for ds in datasets:
-                Stored(ds, True, False).read()  # raises ChecksumMismatch naming the dataset
+                offset, crc = ds.id.get_offset(), ds.attrs.get("crc32")
+                length, sealed = (table or {}).get(offset, (None, None)) if offset is not None else (None, None)
+                if crc is not None and length == ds.nbytes and length:
+                    if int(crc) != sealed:  # the bytes matched the table: the attribute differs
+                        raise ChecksumMismatch(f"checksum mismatch in dataset {ds.name}")
+                else:
+                    Stored(ds, True, False).read()  # raises ChecksumMismatch naming the dataset
             if not _content_ok(f):
                 raise ChecksumMismatch("content checksum mismatch (an attribute, name or "
                                        "state value differs from what was written)")
+    except CheckpointError:
+        raise
     except Exception as exc:
-        return False, str(CheckpointError(f"checkpoint {path} is corrupt: {first_line(exc)}", DAMAGED_HINT))
-    return True, "checksum OK"
+        raise CheckpointError(f"checkpoint {path} is corrupt: {first_line(exc)}", DAMAGED_HINT) from None

@@ -195,15 +195,15 @@ def seal_ranges(path: Path, ranges: Sequence[tuple[int, int, int]]) -> None:
         os.close(fd)
 
 
-def verify_sealed(path: Path) -> None:
-    """Raise :class:`HeaderError` unless the file at ``path`` (format 3 or 4) is sealed and
-    its body's digest matches, reading it in blocks (memory: one block)."""
+def verify_sealed(path: Path) -> dict[int, tuple[int, int]] | None:
+    """Raise :class:`HeaderError` unless the file at ``path`` is sealed and its body's digest
+    (format 5: and every data range's CRC-32) matches, reading it in blocks (memory: one
+    block). Returns a format 5 file's table, ``{offset: (length, crc)}``; else ``None``."""
     fd = os.open(path, os.O_RDONLY)
     try:
         head = os.pread(fd, USERBLOCK, 0)
         if head.startswith(MAGIC_RANGES):
-            _verify_ranges(fd, head)
-            return
+            return {offset: (length, crc) for offset, length, crc in _verify_ranges(fd, head)}
         magic = next((m for m in (MAGIC_FILE, MAGIC) if head.startswith(m)), None)
         if magic is None:
             if head.startswith(b"\x89HDF"):
@@ -217,10 +217,12 @@ def verify_sealed(path: Path) -> None:
         raise HeaderError(f"is truncated or padded: {actual} of {size} bytes")
     if found != digest:
         raise HeaderError("is corrupt: SHA-256 of its content does not match the digest written with it")
+    return None
 
 
-def _verify_ranges(fd: int, head: bytes) -> None:
-    """:func:`verify_sealed` of a format 5 file (``fd``, its first 512 bytes ``head``)."""
+def _verify_ranges(fd: int, head: bytes) -> list[tuple[int, int, int]]:
+    """:func:`verify_sealed` of a format 5 file (``fd``, its first 512 bytes ``head``): its
+    ranges (offset, length, CRC-32), each verified."""
     block, size, digest, table, ranges = _read_table(fd, head)
     actual, found, crcs = _ranges_digest(fd, block, table, ranges)
     if actual != size:
@@ -231,6 +233,7 @@ def _verify_ranges(fd: int, head: bytes) -> None:
         if crc != got:
             raise DataRangeError(f"is corrupt: the {length} bytes at offset {offset} do not match their CRC-32",
                                  offset)
+    return ranges
 
 
 def _read_table(fd: int, head: bytes) -> tuple[int, int, str, bytes, list[tuple[int, int, int]]]:
@@ -275,9 +278,10 @@ class RangeReader:
         """Whether ``length`` bytes at ``offset`` are one data range of the table."""
         return length > 0 and self.ranges.get(offset, (None,))[0] == length
 
-    def read_into(self, offset: int, dest: memoryview, name: str) -> bool:
+    def read_into(self, offset: int, dest: memoryview, name: str, also: int | None = None) -> bool:
         """Fill ``dest`` (writable bytes) with the data range at ``offset``; False (and
-        ``name`` added to :attr:`damaged`) when its bytes do not match their CRC-32."""
+        ``name`` added to :attr:`damaged`) when its bytes do not match their CRC-32 in the
+        table, or ``also`` (the dataset's own CRC attribute: both layers must agree)."""
         length, expected = self.ranges[offset]
         if self._crc is None:
             self._crc = ThreadPoolExecutor(1, thread_name_prefix="hvdkit-crc")
@@ -294,7 +298,8 @@ class RangeReader:
             # the previous piece's CRC finishes while this one was read; chained in order
             crc = self._crc.submit(crc32, piece, crc.result() if crc is not None else 0)
             at += len(piece)
-        ok = ((crc.result() if crc is not None else 0) & 0xFFFFFFFF) == expected
+        got = (crc.result() if crc is not None else 0) & 0xFFFFFFFF
+        ok = got == expected and (also is None or got == also)
         if not ok:
             self.damaged.append(name)
         return ok

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import CheckpointError, first_line
 from ..h5tree import read_tree
-from .fileformat import DAMAGED_HINT, _read_meta, open_checked, verify_checkpoint
+from .fileformat import DAMAGED_HINT, _read_meta, check_checkpoint, open_metadata
 
 __all__ = ["summarize_checkpoint"]
 
@@ -19,11 +19,13 @@ __all__ = ["summarize_checkpoint"]
 def summarize_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Metadata, tensors of every module state (name, dtype, shape, bytes) and checksum verdict.
 
-    Raises :class:`CheckpointError` (one line) if the file cannot be read at all.
+    Raises :class:`CheckpointError` (one line) if the file cannot be read or does not verify
+    (:func:`~hvdkit.checkpoint.fileformat.check_checkpoint`, one pass over it).
     """
     import h5py
 
-    f = open_checked(Path(path))
+    check_checkpoint(path)  # the one pass over the file: damage is one line, as any error
+    f = open_metadata(Path(path))
     try:
         with f:
             meta = _read_meta(f)
@@ -48,5 +50,4 @@ def summarize_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise
     except Exception as exc:
         raise CheckpointError(f"checkpoint {path} is corrupt: {first_line(exc)}", DAMAGED_HINT) from None
-    ok, message = verify_checkpoint(path)
-    return {"meta": meta, "tensors": tensors, "checksum_ok": ok, "checksum_message": message}
+    return {"meta": meta, "tensors": tensors, "checksum_ok": True, "checksum_message": "checksum OK"}

@@ -27,8 +27,8 @@ def ckpt_group() -> None:
 def ckpt_show(path: str, as_json: bool) -> None:
     """Epoch, step, tensors, sizes, versions and checksum verdict of PATH.
 
-    PATH may be a checkpoint directory (its 'latest' file is shown). Exits 1 when
-    the checksum does not verify.
+    PATH may be a checkpoint directory (its 'latest' file is shown). A file that does
+    not verify is one line naming the damage, and exit 1.
     """
     from ..checkpoint import summarize_checkpoint
 
@@ -52,9 +52,7 @@ def ckpt_show(path: str, as_json: bool) -> None:
         click.echo(f"tensors      {len(info['tensors'])} ({total / 2**20:.2f} MiB)")
         for name, dtype, shape, nbytes in info["tensors"]:
             click.echo(f"  {name:<40} {dtype:<9} {str(list(shape)):<16} {nbytes:>12,d} B")
-        verdict = "OK" if info["checksum_ok"] else f"FAILED: {info['checksum_message']}"
-        click.echo(f"checksum     {verdict}")
-    sys.exit(0 if info["checksum_ok"] else 1)
+        click.echo("checksum     OK")  # a file that does not verify is one line and exit 1, above
 
 
 def _resolve(path: str) -> Path:
