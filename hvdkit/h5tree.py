@@ -161,6 +161,11 @@ class Stored:
     def nbytes(self) -> int:
         return int(self.dataset.nbytes)
 
+    @property
+    def dtype(self) -> Any:
+        """The torch dtype it reads as (from the metadata: nothing is read)."""
+        return _torch_dtype(self.dataset)
+
     def _ranged(self) -> int | None:
         """The dataset's offset where :attr:`source` reads it (one contiguous range), else None."""
         if self.source is None:

@@ -117,12 +117,17 @@ def test_checkpoints_cross_sharding_modes_backends_and_world_sizes(tmp_path):
     for i in sb:
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(sa[i][key], sb[i][key]), (i, key)
-    c = tmp_path / "none-copy"
+    c, d = tmp_path / "none-copy", tmp_path / "full-copy"
     shutil.copytree(b, c)
+    shutil.copytree(a, d)
     zero = _run(tmp_path, "resume-zero", "horovod", 3, "optimizer", "--epochs", "2", "--checkpoint-dir", str(a))
     plain = _run(tmp_path, "resume-none", "ddp", 3, "none", "--epochs", "2", "--checkpoint-dir", str(c))
     assert zero["final_loss"] == pytest.approx(plain["final_loss"], rel=1e-5)
     assert zero["global_step"] == plain["global_step"] and zero["params_identical"] is True
+    # resumed into FSDP2 at 3 ranks: each rank is sent its own rows, the last parts shorter
+    full = _run(tmp_path, "resume-full", "ddp", 3, "full", "--epochs", "2", "--checkpoint-dir", str(d))
+    assert full["final_loss"] == pytest.approx(plain["final_loss"], rel=1e-5)
+    assert full["global_step"] == plain["global_step"]
 
 
 def test_optimizer_state_is_balanced_on_a_real_model():

@@ -12,7 +12,8 @@ with every sharded tensor :class:`~hvdkit.h5tree.Deferred`: gathered (``full_ten
 when the writer fetches it, whole on rank 0 alone, one at a time. So a sharded run resumes
 unsharded and the other way round, at any world size, and no rank ever holds the model. Loading
 is the reverse: rank 0 *holds* what it read (tensors still in the open file), and the
-broadcast that follows every restore sends one tensor at a time, each rank keeping its shard
+broadcast that follows every restore sends one tensor at a time, each rank sent only its own
+rows of a sharded one (a ``scatter``: no other rank holds it whole)
 (:func:`scatter_model_state`, :func:`scatter_optimizer_state`).
 """
 
@@ -28,10 +29,10 @@ from torch import nn
 
 from ..blocks import shard_units
 from ..errors import HvdkitError
-from ..h5tree import Deferred, Stored
+from ..h5tree import Deferred, Stored, materialize, tree_leaves
 from ..materialise import own_tensors
 from .comm import Communicator, broadcast_tensors, broadcast_tree
-from .strategy import Strategy, regrouped
+from .strategy import Strategy, held_state, regrouped
 
 if TYPE_CHECKING:
     from ..materialise import MetaInit
@@ -61,11 +62,7 @@ def make_sharded(model: nn.Module, comm: Communicator, init: MetaInit, root: int
 
     def send(module: nn.Module, tensors: dict[str, torch.Tensor] | None) -> None:
         for _, key, target in own_tensors(module):
-            whole = tensors[key].to(comm.device) if tensors is not None else \
-                torch.empty(tuple(target.shape), dtype=target.dtype, device=comm.device)
-            comm.start_broadcast_(whole, root, f"init.{key}")()
-            target.copy_(_scattered(comm, whole, target))
-            del whole
+            _load_part(comm, tensors[key] if tensors is not None else None, target, root)
 
     if comm.rank == root:
         init.make(send)
@@ -118,14 +115,80 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, rank: in
     return _whole_on_rank0(rank, optimizer.state_dict())  # type: ignore[no-any-return]
 
 
-def _scattered(comm: Communicator, whole: torch.Tensor, like: Any) -> Any:
-    """This rank's part of ``whole`` (on every rank) shaped as ``like``: a DTensor's shard, or
-    the tensor itself."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+def _rows(like: Any, size: int) -> int | None:
+    """Rows of each rank's part where ``like`` is a DTensor sharded on dim 0 over ``size``
+    ranks (``torch.chunk``'s split, as FSDP2's: the last parts may be shorter or empty); else
+    ``None`` (the tensor is sent whole)."""
+    from torch.distributed.tensor import DTensor, Shard
 
-    if isinstance(like, DTensor) and tuple(whole.shape) == tuple(like.shape):
-        return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
-    return whole
+    if not isinstance(like, DTensor) or size == 1 or len(like.placements) != 1 \
+            or like.placements[0] != Shard(0) or like.dim() == 0:
+        return None
+    return -(-like.shape[0] // size)
+
+
+def _part(comm: Communicator, whole: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+          like: Any, root: int) -> torch.Tensor:
+    """Collective: this rank's part of ``root``'s ``whole`` (``None`` elsewhere; every rank
+    knows its ``shape`` and ``dtype``). Where ``like`` is sharded on dim 0 and ``whole`` has its
+    shape, each rank is sent only its own rows (``scatter``, each part padded to one size), so
+    no other rank ever holds the tensor whole, and root sends each byte once; else every rank
+    gets it whole (a broadcast)."""
+    import torch.distributed as dist
+
+    rows = _rows(like, comm.size) if tuple(shape) == tuple(like.shape) else None
+    if rows is None:
+        out = whole.to(comm.device, dtype).contiguous() if comm.rank == root and whole is not None else \
+            torch.empty(shape, dtype=dtype, device=comm.device)
+        comm.start_broadcast_(out, root, "part")()
+        return out
+    out = torch.empty((rows, *shape[1:]), dtype=dtype, device=comm.device)
+    pieces = None
+    if comm.rank == root and whole is not None:
+        whole = whole.to(comm.device, dtype).contiguous()
+        pieces = []
+        for r in range(comm.size):
+            piece = whole[r * rows:(r + 1) * rows]
+            if piece.shape[0] != rows:  # the last, shorter parts: padded to the scatter's one size
+                piece = torch.cat([piece, piece.new_zeros((rows - piece.shape[0], *shape[1:]))])
+            pieces.append(piece)
+    dist.scatter(out, pieces, src=root)
+    start = min(comm.rank * rows, shape[0])
+    return out[:max(0, min(rows, shape[0] - start))]
+
+
+def _load_part(comm: Communicator, whole: torch.Tensor | None, target: Any, root: int) -> None:
+    """Collective: ``target`` (a model's tensor, sharded or not) overwritten with its part of
+    ``root``'s ``whole``."""
+    from torch.distributed.tensor import DTensor
+
+    part = _part(comm, whole, tuple(target.shape), target.dtype, target, root)
+    local = target.to_local() if isinstance(target, DTensor) else target
+    if tuple(local.shape) != tuple(part.shape):
+        raise HvdkitError(f"--shard full: this rank's part has shape {tuple(part.shape)}, its shard "
+                          f"{tuple(local.shape)}", "report this: FSDP2 split the tensor in an unexpected way")
+    local.copy_(part)
+
+
+def _as_like(part: torch.Tensor, like: Any, shape: tuple[int, ...], into: Any = None) -> Any:
+    """A received part as the state tensor it is: a DTensor shaped as ``like`` where ``like``
+    is sharded and the part is its shard, else the (whole) tensor itself; copied into
+    ``into`` (the state tensor held now) where that has its shape, dtype and placement."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = isinstance(like, DTensor) and tuple(shape) == tuple(like.shape) and _rows(like, like.device_mesh.size())
+    if isinstance(into, DTensor) and sharded and into.shape == like.shape and into.placements == like.placements \
+            and into.dtype == part.dtype and tuple(into.to_local().shape) == tuple(part.shape):
+        into.to_local().copy_(part)
+        return into
+    if not isinstance(into, DTensor) and not sharded and isinstance(into, torch.Tensor) \
+            and into.shape == part.shape and into.dtype == part.dtype and into.device == part.device:
+        into.copy_(part)
+        return into
+    if sharded:
+        return DTensor.from_local(part.clone(), like.device_mesh, like.placements, run_check=False,
+                                  shape=like.shape, stride=like.stride())
+    return part
 
 
 def scatter_model_state(model: nn.Module, comm: Communicator, loaded: dict[str, Any] | None, root: int = 0) -> None:
@@ -140,6 +203,12 @@ def scatter_model_state(model: nn.Module, comm: Communicator, loaded: dict[str, 
         missing, extra = sorted(set(own) - set(loaded)), sorted(set(loaded) - set(own))
         problem = (f"the checkpoint's model does not match: missing {missing[:5]}, unexpected {extra[:5]}",
                    "restore into the model the checkpoint was written from")
+    elif is_root and loaded is not None:
+        wrong = [f"{k} {tuple(v.shape)} (the model's {tuple(own[k].shape)})" for k, v in loaded.items()
+                 if hasattr(v, "shape") and tuple(v.shape) != tuple(own[k].shape)]
+        if wrong:
+            problem = (f"the checkpoint's model does not match: {', '.join(wrong[:3])}",
+                       "restore into the model the checkpoint was written from")
     if is_root and loaded is None and root != 0:
         problem = (f"--shard full: every rank's parameters are rank 0's since wrap() (sharded, no rank holds "
                    f"another's whole model), so rank {root}'s can come only from a state loaded on rank {root}",
@@ -154,9 +223,8 @@ def scatter_model_state(model: nn.Module, comm: Communicator, loaded: dict[str, 
     with torch.no_grad():
         for name, target in own.items():
             value = loaded[name] if is_root and loaded is not None else None
-            whole = broadcast_tree(comm, value.read() if isinstance(value, Stored) else value, root)
-            target.copy_(_scattered(comm, whole.to(target.dtype), target))
-            del whole
+            _load_part(comm, value.read() if isinstance(value, Stored) else value, target, root)
+            del value
 
 
 def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
@@ -170,18 +238,42 @@ def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, 
     _reshard(model)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     groups = comm.broadcast_object(loaded["param_groups"] if is_root and loaded is not None else None, root)
-    keys: Any = comm.broadcast_object({int(i): list(entry) for i, entry in loaded["state"].items()}
-                                      if is_root and loaded is not None else None, root)
+    # every entry's shape and dtype (from the file's metadata: nothing read yet), or its value,
+    # in one object: then each tensor is sent alone
+    specs: Any = comm.broadcast_object({int(i): {k: _spec(v) for k, v in entry.items()}
+                                        for i, entry in loaded["state"].items()}
+                                       if is_root and loaded is not None else None, root)
+    held = held_state(optimizer)["state"]  # read into where it is held: never the state twice
     state: dict[int, dict[str, Any]] = {}
     with torch.no_grad():
-        for i, names in keys.items():
+        for i, entry_specs in specs.items():
             entry = loaded["state"].get(i, loaded["state"].get(str(i))) if is_root and loaded is not None else None
             state[i] = {}
-            for key in names:
+            for key, spec in entry_specs.items():
                 value = entry[key] if entry is not None else None
-                value = broadcast_tree(comm, value.read() if isinstance(value, Stored) else value, root)
-                state[i][key] = _scattered(comm, value, params[i]) if isinstance(value, torch.Tensor) else value
+                if spec[0] == "value":
+                    state[i][key] = spec[1]
+                    continue
+                if spec[0] == "tree":  # a nested entry (an optimizer of one's own): sent whole
+                    state[i][key] = broadcast_tree(comm, materialize(value) if is_root else None, root)
+                    continue
+                part = _part(comm, value.read() if isinstance(value, Stored) else value, spec[1], spec[2],
+                             params[i], root)
+                state[i][key] = _as_like(part, params[i], spec[1], held.get(i, {}).get(key))
+                del value
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _spec(value: Any) -> tuple[Any, ...]:
+    """An optimizer state entry as others need it before its bytes: ("tensor", shape, dtype),
+    ("value", the value itself), or ("tree",) for a nesting that holds tensors."""
+    if isinstance(value, Stored):
+        return "tensor", value.shape, value.dtype
+    if isinstance(value, torch.Tensor):
+        return "tensor", tuple(value.shape), value.dtype
+    if any(True for _ in tree_leaves(value)):
+        return ("tree",)
+    return "value", value
 
 
 class FullyShardedStrategy(Strategy):
