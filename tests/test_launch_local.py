@@ -174,8 +174,8 @@ def test_a_failure_on_every_rank_is_one_error_line(tmp_path, backend):
     (tmp_path / "f.py").write_text("def boom():\n    raise RuntimeError('no GPU')\n")
     subprocess.run([PY, "-m", "hvdkit", "data", "make-synthetic", str(tmp_path / "d.h5"), "--model", "tiny",
                     "--num-samples", "64"], env=base_env(), check=True, capture_output=True, timeout=120)
-    proc = subprocess.run([PY, "-m", "hvdkit", "run", "-np", "2", "--backend", backend, "--", "--model",
-                           f"{tmp_path}/f.py:boom", "--data", str(tmp_path / "d.h5")], env=base_env(),
+    proc = subprocess.run([PY, "-m", "hvdkit", "run", "-np", "2", "--backend", backend, "--log-dir", str(tmp_path),
+                           "--", "--model", f"{tmp_path}/f.py:boom", "--data", str(tmp_path / "d.h5")], env=base_env(),
                           capture_output=True, text=True, timeout=240, cwd=tmp_path)
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("Error")]
     assert proc.returncode == 1 and len(errors) == 1, proc.stdout + proc.stderr
@@ -198,3 +198,20 @@ def test_a_preempted_run_says_so_with_its_step_not_job_failed(tmp_path):
     assert outcome.closing_line() == ("preempted (exit 75): the ranks saved a checkpoint at step 57 and stopped, not "
                                       "requeued; run the same command again to resume from it")
     assert RunOutcome(1, tmp_path / "log", ["Error: boom"], []).closing_line().startswith("Error: job failed (exit 1)")
+
+
+def test_a_failed_job_keeps_its_log_unless_it_printed_nothing(tmp_path):
+    """A failed job's log is kept and named; one that printed nothing leaves no empty file."""
+    import io
+
+    from hvdkit.launch.output import ConsoleLog
+
+    said = ConsoleLog(str(tmp_path), out=io.StringIO(), err=io.StringIO())
+    said.feed("[0]<stderr>:Error: boom\n")
+    outcome = said.close(1)
+    assert outcome.log is not None and outcome.log.read_text() == "[0]<stderr>:Error: boom\n"
+    assert outcome.summary().endswith(f"[full output: {outcome.log}]")
+    outcome.log.unlink()
+    silent = ConsoleLog(str(tmp_path), out=io.StringIO(), err=io.StringIO()).close(1)
+    assert silent.log is None and list(tmp_path.iterdir()) == []
+    assert silent.summary() == "job failed (exit 1): the launcher exited with status 1 [it printed nothing]"

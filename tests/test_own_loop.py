@@ -76,8 +76,8 @@ def test_a_program_that_asks_for_another_backend_than_the_launcher_is_told_in_on
     own = tmp_path / "own.py"
     own.write_text("import hvdkit\nwith hvdkit.create_backend(hvdkit.BackendConfig(name='horovod')) as b:\n"
                    "    print('trained on', b.name)\n")
-    proc = subprocess.run([*HVDKIT, "run", "-np", "2", "--backend", "ddp", "--", PY, str(own)], env=base_env(),
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([*HVDKIT, "run", "-np", "2", "--backend", "ddp", "--log-dir", str(tmp_path), "--", PY,
+                           str(own)], env=base_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0 and "trained on" not in proc.stdout, proc.stdout
     assert "the ranks were launched for --backend ddp (HVDKIT_BACKEND), but this program asks for " \
            "BackendConfig(name='horovod')" in proc.stderr, proc.stderr[-2000:]

@@ -143,7 +143,7 @@ class RunOutcome:
     """How a launched job ended, and where its full output is."""
 
     returncode: int
-    log: Path
+    log: Path | None  # None: the job printed nothing (no empty log is kept)
     errors: list[str]
     causes: list[str]
     preempted_at: int | None = None
@@ -177,7 +177,8 @@ class RunOutcome:
             what = self.causes[0]
         else:
             what = f"the launcher exited with status {self.returncode}"
-        return f"job failed (exit {self.returncode}): {what} [full output: {self.log}]"
+        where = f"full output: {self.log}" if self.log is not None else "it printed nothing"
+        return f"job failed (exit {self.returncode}): {what} [{where}]"
 
 
 class ConsoleLog:
@@ -228,16 +229,19 @@ class ConsoleLog:
         self.started = False
 
     def close(self, code: int) -> RunOutcome:
-        """The outcome; the log is kept when the job failed and removed when it succeeded."""
+        """The outcome; the log is kept when the job failed and removed when it succeeded, or
+        when it holds nothing (a job that printed nothing: an empty file helps no one)."""
         with self.lock:
             for whole in self.rejoin.flush():
                 self._one(whole, None)
         if self.relay is not None:
             self.relay.close()
+        empty = self.handle.tell() == 0
         self.handle.close()
-        if code == 0:
+        if code == 0 or empty:
             self.log.unlink(missing_ok=True)
-        return RunOutcome(code, self.log, self.keep.errors, self.keep.causes, self.keep.preempted_at, self.started)
+        return RunOutcome(code, None if empty else self.log, self.keep.errors, self.keep.causes,
+                          self.keep.preempted_at, self.started)
 
 
 class _Forwarder:
