@@ -178,6 +178,20 @@ def seal_in_memory(data: bytearray) -> bytes:
     return bytes(data)
 
 
+def flip_tensor_bit(path: Path, dataset: str = "model/0.weight") -> None:
+    """Flip one bit inside a checkpoint dataset's bytes: only its CRC (checked as it is read,
+    or by a verifying pass) sees it; the metadata stays intact."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        offset = f[dataset].id.get_offset() + 5
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0x04]))
+
+
 def assert_tree_equal(a, b, path="root"):
     assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
     if isinstance(a, torch.Tensor):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import shutil
 import subprocess
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from helpers import PY, assert_tree_equal, check, launch, trained_state
+from helpers import PY, assert_tree_equal, check, flip_tensor_bit, launch, trained_state
 from hvdkit import BackendConfig, build_model
 from hvdkit.backends import LocalBackend
 from hvdkit.checkpoint import (
@@ -272,17 +273,6 @@ def test_a_format_2_checkpoint_of_hvdkit_0_2_still_resumes(tmp_path):
     assert_tree_equal(fresh.state_dict(), model.state_dict())
 
 
-def _flip_tensor_byte(path, dataset="model/0.weight"):
-    """Flip one bit inside ``dataset``'s bytes: only its CRC (checked as it is read) sees it."""
-    with h5py.File(path, "r") as f:
-        offset = f[dataset].id.get_offset() + 5
-    with open(path, "r+b") as fh:
-        fh.seek(offset)
-        byte = fh.read(1)
-        fh.seek(offset)
-        fh.write(bytes([byte[0] ^ 0x04]))
-
-
 def test_a_restore_reads_the_file_once_and_a_damaged_tensor_falls_back_or_fails(tmp_path, caplog):
     """The restore verifies a format 5 file's metadata first and each tensor as it is read
     (one pass), straight into the tensors held: a damaged tensor then makes it load the
@@ -306,7 +296,7 @@ def test_a_restore_reads_the_file_once_and_a_damaged_tensor_falls_back_or_fails(
     assert_tree_equal(dict(fresh.state_dict()), saved[2])
     assert_tree_equal(fresh_opt.state_dict(), opt.state_dict())
 
-    _flip_tensor_byte(tmp_path / "ckpt-000000002.h5")
+    flip_tensor_bit(tmp_path / "ckpt-000000002.h5")
     caplog.clear()
     fresh = build_model("tiny", seed=9)
     assert mgr.restore({"model": fresh, "optimizer": torch.optim.Adam(fresh.parameters(), lr=1e-2)}).step == 1
@@ -318,7 +308,7 @@ def test_a_restore_reads_the_file_once_and_a_damaged_tensor_falls_back_or_fails(
 
     with pytest.raises(CheckpointError, match="checksum mismatch in dataset /model/0.weight"):
         mgr.restore({"model": fresh}, path=tmp_path / "ckpt-000000002.h5")  # named: no fall back
-    _flip_tensor_byte(tmp_path / "ckpt-000000001.h5")
+    flip_tensor_bit(tmp_path / "ckpt-000000001.h5")
     with pytest.raises(CheckpointError, match=r"no checkpoint in .* verifies, and the states already hold part "
                        r"of ckpt-000000001.h5, whose tensors were damaged") as info:
         mgr.restore({"model": build_model("tiny")})
@@ -330,7 +320,6 @@ import logging
 import sys
 from pathlib import Path
 
-import h5py
 import torch
 
 import hvdkit
@@ -338,6 +327,8 @@ from hvdkit.checkpoint import read_checkpoint
 from hvdkit.h5tree import materialize, tree_leaves
 
 shard, directory, dataset = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+sys.path.insert(0, sys.argv[4])  # the tests' helpers
+from helpers import flip_tensor_bit
 logging.basicConfig(level=logging.WARNING, format="%(message)s")  # hvdkit's warnings, as an application shows them
 backend = hvdkit.create_backend(hvdkit.BackendConfig(name="ddp", shard=shard))
 
@@ -359,14 +350,7 @@ for step in (1, 2):
     held["optimizer"].zero_grad()
     mgr.save(step, held)
 if backend.rank == 0:  # one bit of a tensor that a sharded strategy reads while it sends it on
-    newest = directory / "ckpt-000000002.h5"
-    with h5py.File(newest, "r") as f:
-        offset = f[dataset].id.get_offset() + 3
-    with open(newest, "r+b") as fh:
-        fh.seek(offset)
-        byte = fh.read(1)
-        fh.seek(offset)
-        fh.write(bytes([byte[0] ^ 0x08]))
+    flip_tensor_bit(directory / "ckpt-000000002.h5", dataset)
 backend.barrier()
 fresh = states()
 restored = mgr.restore(fresh)
@@ -391,7 +375,8 @@ def test_a_tensor_found_damaged_while_a_sharded_strategy_sends_it_makes_every_ra
     one is found there, every rank goes on to the end of it, then all load the previous file."""
     script = tmp_path / "late.py"
     script.write_text(LATE_DAMAGE)
-    out = check(launch("mpirun", 2, [PY, str(script), shard, str(tmp_path / "ck"), dataset], timeout=240))
+    out = check(launch("mpirun", 2, [PY, str(script), shard, str(tmp_path / "ck"), dataset,
+                                     str(Path(__file__).parent)], timeout=240))
     assert "rank 0 restored step 1" in out and "rank 1 restored step 1" in out, out
     assert out.count("WARNING: skipping ckpt-000000002.h5: checkpoint") == 1, out
     assert f"checksum mismatch in dataset /{dataset}" in out and "same as step 1" in out, out
@@ -410,7 +395,7 @@ def test_a_header_resealed_over_a_damaged_tensor_is_still_caught_by_the_datasets
     model = build_model("tiny")
     path = mgr.save(1, {"model": model})
     table = verify_sealed(path)
-    _flip_tensor_byte(path)
+    flip_tensor_bit(path)
     with h5py.File(path, "r") as f:
         damaged = f["model/0.weight"].id.get_offset()
     data = path.read_bytes()
@@ -430,7 +415,7 @@ def test_export_checks_each_tensor_it_writes_and_writes_nothing_from_a_damaged_o
     out = tmp_path / "weights.out"
     assert CliRunner().invoke(cli, ["ckpt", "export", str(path), str(out), "--format", fmt]).exit_code == 0
     out.unlink()
-    _flip_tensor_byte(path, "model/2.weight")  # found after 0.weight and 0.bias were written
+    flip_tensor_bit(path, "model/2.weight")  # found after 0.weight and 0.bias were written
     result = CliRunner().invoke(cli, ["ckpt", "export", str(path), str(out), "--format", fmt])
     assert result.exit_code == 1 and "checksum mismatch in dataset /model/2.weight" in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1 and not out.exists()
