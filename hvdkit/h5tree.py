@@ -166,6 +166,11 @@ class Stored:
         """The torch dtype it reads as (from the metadata: nothing is read)."""
         return _torch_dtype(self.dataset)
 
+    @property
+    def _is_tensor(self) -> bool:
+        """Read as a torch tensor (not left the numpy array stored)."""
+        return self.tensors and self.dataset.attrs.get("kind") != "ndarray"
+
     def _ranged(self) -> int | None:
         """The dataset's offset where :attr:`source` reads it (one contiguous range), else None."""
         if self.source is None:
@@ -183,17 +188,16 @@ class Stored:
             return _read_dataset(self.dataset, self.verify, self.tensors, self.source)
         arr = np.empty(self.dataset.shape, self.dataset.dtype)
         self.source.read_into(offset, arr.reshape(-1).view(np.uint8).data, self.dataset.name, self._crc())
-        return arr if self.dataset.attrs.get("kind") == "ndarray" or not self.tensors else _as_tensor(arr, self.dataset)
+        return _as_tensor(arr, self.dataset) if self._is_tensor else arr
 
     def read_into(self, like: Any) -> Any:
         """The stored tensor, read into ``like`` (a contiguous CPU tensor of its shape and
         dtype: no second copy of it is made) and returned; anything else is :meth:`read`."""
         import torch
 
-        offset = self._ranged() if self.tensors and self.dataset.attrs.get("kind") != "ndarray" else None
+        offset = self._ranged() if self._is_tensor else None
         if offset is None or not isinstance(like, torch.Tensor) or like.device.type != "cpu" \
-                or not like.is_contiguous() or tuple(like.shape) != self.shape \
-                or like.dtype != _torch_dtype(self.dataset):
+                or not like.is_contiguous() or tuple(like.shape) != self.shape or like.dtype != self.dtype:
             return self.read()
         view = like.detach().reshape(-1).view(torch.uint8).numpy()
         self.source.read_into(offset, view.data, self.dataset.name, self._crc())

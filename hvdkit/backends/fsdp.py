@@ -115,14 +115,15 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, rank: in
     return _whole_on_rank0(rank, optimizer.state_dict())  # type: ignore[no-any-return]
 
 
-def _rows(like: Any, size: int) -> int | None:
-    """Rows of each rank's part where ``like`` is a DTensor sharded on dim 0 over ``size``
-    ranks (``torch.chunk``'s split, as FSDP2's: the last parts may be shorter or empty); else
-    ``None`` (the tensor is sent whole)."""
+def _rows(like: Any, shape: tuple[int, ...], size: int) -> int | None:
+    """Rows of each rank's part of a tensor of ``shape`` where ``like`` is a DTensor of that
+    shape sharded on dim 0 over ``size`` ranks (``torch.chunk``'s split, as FSDP2's: the last
+    parts may be shorter or empty); else ``None`` (the tensor is sent whole). The one decision
+    both the sending (:func:`_part`) and the state built from it (:func:`_as_like`) follow."""
     from torch.distributed.tensor import DTensor, Shard
 
     if not isinstance(like, DTensor) or size == 1 or len(like.placements) != 1 \
-            or like.placements[0] != Shard(0) or like.dim() == 0:
+            or like.placements[0] != Shard(0) or like.dim() == 0 or tuple(shape) != tuple(like.shape):
         return None
     return -(-like.shape[0] // size)
 
@@ -136,7 +137,7 @@ def _part(comm: Communicator, whole: torch.Tensor | None, shape: tuple[int, ...]
     gets it whole (a broadcast)."""
     import torch.distributed as dist
 
-    rows = _rows(like, comm.size) if tuple(shape) == tuple(like.shape) else None
+    rows = _rows(like, shape, comm.size)
     if rows is None:
         out = whole.to(comm.device, dtype).contiguous() if comm.rank == root and whole is not None else \
             torch.empty(shape, dtype=dtype, device=comm.device)
@@ -176,7 +177,7 @@ def _as_like(part: torch.Tensor, like: Any, shape: tuple[int, ...], into: Any = 
     ``into`` (the state tensor held now) where that has its shape, dtype and placement."""
     from torch.distributed.tensor import DTensor
 
-    sharded = isinstance(like, DTensor) and tuple(shape) == tuple(like.shape) and _rows(like, like.device_mesh.size())
+    sharded = isinstance(like, DTensor) and _rows(like, shape, like.device_mesh.size()) is not None
     if isinstance(into, DTensor) and sharded and into.shape == like.shape and into.placements == like.placements \
             and into.dtype == part.dtype and tuple(into.to_local().shape) == tuple(part.shape):
         into.to_local().copy_(part)

@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import CheckpointError, first_line
 from ..fileio import fsync_dir
 from ..h5tree import Stored, read_tree
-from .fileformat import DAMAGED_HINT, _open_verified, _read_meta
+from .fileformat import DAMAGED_HINT, _open_verified, _read_meta, damaged_tensor
 
 __all__ = ["export_weights", "FORMATS"]
 
@@ -157,8 +157,7 @@ def export_weights(path: str | os.PathLike[str], out: str | os.PathLike[str], fm
             tensors = _tensors(f, key, reader)
             (_write_safetensors if fmt == "safetensors" else _write_torch)(tmp, tensors)
         if reader is not None and reader.damaged:
-            raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in dataset {reader.damaged[0]}",
-                                  DAMAGED_HINT)
+            raise damaged_tensor(path, reader.damaged[0])
         os.replace(tmp, out)
         fsync_dir(out.parent)
         return len(tensors), sum(leaf.nbytes for _, leaf in tensors)

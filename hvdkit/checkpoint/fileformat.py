@@ -67,7 +67,7 @@ from .integrity import (
 
 __all__ = ["Snapshot", "write_checkpoint", "drain", "read_checkpoint", "open_checkpoint", "OpenCheckpoint",
            "verify_checkpoint", "check_checkpoint", "checkpoint_name", "step_of", "FORMAT", "FORMAT_VERSION",
-           "RESERVED", "DAMAGED_HINT", "open_checked", "open_metadata", "human_size"]
+           "RESERVED", "DAMAGED_HINT", "open_checked", "open_metadata", "damaged_tensor", "human_size"]
 
 FORMAT = "hvdkit-checkpoint"
 FORMAT_VERSION = 5
@@ -319,8 +319,7 @@ def _open_verified(path: Path, as_read: bool) -> tuple[Any, RangeReader | None, 
         else:
             table = reader.ranges
     except DataRangeError as exc:  # the metadata verified: HDF5 may name the damaged tensor
-        raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in dataset "
-                              f"{_dataset_at(path, exc.offset)}", DAMAGED_HINT) from None
+        raise damaged_tensor(path, _dataset_at(path, exc.offset)) from None
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} does not exist", "list checkpoints with 'ls DIR'") from None
     except IsADirectoryError:
@@ -356,6 +355,11 @@ def _open_verified(path: Path, as_read: bool) -> tuple[Any, RangeReader | None, 
         raise CheckpointError(f"{path} is not an hvdkit checkpoint (or its header is damaged)",
                               "pass a file written by hvdkit")
     return f, reader, table
+
+
+def damaged_tensor(path: str | os.PathLike[str], dataset: str) -> CheckpointError:
+    """The one error for a tensor whose bytes do not match their CRC-32, naming it."""
+    return CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in dataset {dataset}", DAMAGED_HINT)
 
 
 def _dataset_at(path: Path, offset: int) -> str:
@@ -504,7 +508,7 @@ def check_checkpoint(path: str | os.PathLike[str]) -> None:
             f.visititems(lambda _name, node: datasets.append(node) if isinstance(node, h5py.Dataset) else None)
             for ds in datasets:
                 offset, crc = ds.id.get_offset(), ds.attrs.get("crc32")
-                length, sealed = (table or {}).get(offset, (None, None)) if offset is not None else (None, None)
+                length, sealed = (table or {}).get(offset, (None, None))  # offset None: not in it
                 if crc is not None and length == ds.nbytes and length:
                     if int(crc) != sealed:  # the bytes matched the table: the attribute differs
                         raise ChecksumMismatch(f"checksum mismatch in dataset {ds.name}")

@@ -225,15 +225,20 @@ def _verify_ranges(fd: int, head: bytes) -> list[tuple[int, int, int]]:
     ranges (offset, length, CRC-32), each verified."""
     block, size, digest, table, ranges = _read_table(fd, head)
     actual, found, crcs = _ranges_digest(fd, block, table, ranges)
-    if actual != size:
-        raise HeaderError(f"is truncated or padded: {actual} of {size} bytes")
-    if found != digest:
-        raise HeaderError("is corrupt: SHA-256 of its metadata does not match the digest written with it")
+    _check_body(actual, size, found, digest)
     for (offset, length, crc), got in zip(ranges, crcs):
         if crc != got:
             raise DataRangeError(f"is corrupt: the {length} bytes at offset {offset} do not match their CRC-32",
                                  offset)
     return ranges
+
+
+def _check_body(actual: int, size: int, found: str, digest: str) -> None:
+    """A format 5 body's size and its metadata's SHA-256 against the header's."""
+    if actual != size:
+        raise HeaderError(f"is truncated or padded: {actual} of {size} bytes")
+    if found != digest:
+        raise HeaderError("is corrupt: SHA-256 of its metadata does not match the digest written with it")
 
 
 def _read_table(fd: int, head: bytes) -> tuple[int, int, str, bytes, list[tuple[int, int, int]]]:
@@ -331,10 +336,8 @@ def open_ranges(path: Path) -> RangeReader | None:
             return None
         block, size, digest, table, ranges = _read_table(fd, head)
         actual = os.fstat(fd).st_size - block
-        if actual != size:
-            raise HeaderError(f"is truncated or padded: {actual} of {size} bytes")
-        if _gaps_digest(fd, block, block + size, table, ranges) != digest:
-            raise HeaderError("is corrupt: SHA-256 of its metadata does not match the digest written with it")
+        found = _gaps_digest(fd, block, block + size, table, ranges) if actual == size else ""  # size first
+        _check_body(actual, size, found, digest)
         with contextlib.suppress(AttributeError, OSError):  # a hint only: the tensors are read in order
             os.posix_fadvise(fd, block, 0, os.POSIX_FADV_SEQUENTIAL)
         return RangeReader(fd, ranges)

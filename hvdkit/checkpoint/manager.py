@@ -30,10 +30,10 @@ from ..errors import EXIT_NONFINITE, CheckpointError, ConfigError, first_line
 from ..fileio import write_json_atomic, write_text_atomic
 from ..log import diag, warn
 from .fileformat import (
-    DAMAGED_HINT,
     OpenCheckpoint,
     Snapshot,
     checkpoint_name,
+    damaged_tensor,
     drain,
     open_checkpoint,
     step_of,
@@ -300,8 +300,7 @@ class CheckpointManager:
                 skipped: list[Path]) -> tuple[bool, Any]:
         """Rank 0, a checkpoint whose tensors did not match their CRC as they were read: warn
         and add it to ``skipped`` (then ``(True, "previous")``), or the failure for ``path``."""
-        error = CheckpointError(f"checkpoint {opened.path} is corrupt: checksum mismatch in dataset "
-                                f"{opened.damaged[0]}", DAMAGED_HINT)
+        error = damaged_tensor(opened.path, opened.damaged[0])
         if path is not None:
             return self._failure(error)
         warn(f"skipping {opened.path.name}: {error.message}; trying the previous checkpoint")
