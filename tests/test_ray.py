@@ -378,8 +378,14 @@ def test_a_sweep_whose_driver_is_killed_resumes_with_tuner_restore(head, digits,
 
     wait_until(lambda: all(gone(p) for p in ranks), 120, "the dead driver's ranks to end")
     assert not (out / "results.json").exists()
+    # what a kill during Ray's copy of its state leaves (seen in CI): the searcher's file truncated.
+    # Tuner.restore then ran one new trial with an empty config; hvdkit resumes from its own files.
+    # (An intact state's Tuner.restore: test_multinode's preempted Ray sweep.)
+    searcher = next((out / "tune" / "experiment").glob("basic-variant-state-*.json"))
+    searcher.write_bytes(b"")
     resumed = hvdkit(*sweep, "--resume", str(out), timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"WARNING: Ray's saved experiment cannot be restored: {searcher} (empty)" in resumed.stderr
     rows = json.loads((out / "results.json").read_text())
     assert [r["status"] for r in rows] == ["completed"] * 3 and all(r["epochs"] == 3 for r in rows), rows
     for t in range(3):  # each trial trained from step 0 once at most
@@ -415,6 +421,35 @@ def test_the_ranks_get_the_variables_named_with_x_and_the_default_list():
     assert worker_env({}, shell) == {"PATH": "/bin", "HVDKIT_X": "1"}  # the default list only
     assert worker_env({"A": "b"}, shell, forward=("HF_HOME", "WANDB_MODE")) == {
         "PATH": "/bin", "HVDKIT_X": "1", "HF_HOME": "/data/hf", "WANDB_MODE": "offline", "A": "b"}
+
+
+def test_each_file_tuner_restore_reads_is_checked_before_a_resume(tmp_path):
+    """A truncated or garbled Ray state file is named (and so not handed to Tuner.restore, which
+    made a trial with an empty config of it); intact ones pass; only the newest of each kind counts."""
+    from ray import cloudpickle
+
+    from hvdkit.rayrun.tune import damaged_tune_state
+
+    exp = tmp_path / "experiment"
+    exp.mkdir()
+    assert damaged_tune_state(exp) == f"{exp / 'tuner.pkl'} (missing)"
+    (exp / "tuner.pkl").write_bytes(cloudpickle.dumps({"x": 1}))
+    assert damaged_tune_state(exp) is None  # no state yet: Tune's own error covers that
+    (exp / "experiment_state-2026-01-01_00-00-00.json").write_text("{}")
+    (exp / "basic-variant-state-2026-01-01_00-00-00.json").write_bytes(cloudpickle.dumps({"_iterators": []}))
+    assert damaged_tune_state(exp) is None
+    older = exp / "experiment_state-2025-01-01_00-00-00.json"
+    older.write_text("{")  # an older session's: Ray restores the newest only
+    assert damaged_tune_state(exp) is None
+    for name, data, why in [("experiment_state-2026-01-01_00-00-00.json", b'{"trial_data": [', "JSONDecodeError"),
+                            ("basic-variant-state-2026-01-01_00-00-00.json", b"", "empty)"),
+                            ("basic-variant-state-2026-01-01_00-00-00.json", b"\x80\x05K", "UnpicklingError"),
+                            ("tuner.pkl", b"", "empty)")]:
+        good = (exp / name).read_bytes()
+        (exp / name).write_bytes(data)
+        found = damaged_tune_state(exp)
+        assert found is not None and found.startswith(f"{exp / name} ({why}"), (name, found)
+        (exp / name).write_bytes(good)
 
 
 def test_a_finished_trials_record_is_what_a_resumed_sweep_reports(tmp_path):

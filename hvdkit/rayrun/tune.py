@@ -30,17 +30,28 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from ..errors import EXIT_NONFINITE, ConfigError
+from ..log import warn
 from ..observe import EPOCH_EVENTS_VAR, EPOCH_TAG
 from ..preemption import EXIT_PREEMPTED
 from ..sweep import SweepSpec, perturb_ranges, trial_command
 from .cluster import RaySpec, worker_env
-from .layout import EXPERIMENT, PREEMPT_FLAG, PREEMPTED_DIR, PREEMPTED_MARK, TUNE_DIR
+from .layout import (
+    EXPERIMENT,
+    PREEMPT_FLAG,
+    PREEMPTED_DIR,
+    PREEMPTED_MARK,
+    SEARCHER_GLOB,
+    STATE_GLOB,
+    TUNE_DIR,
+    TUNER_STATE,
+)
 
-__all__ = ["run_tune", "check_ray_sweep"]
+__all__ = ["run_tune", "check_ray_sweep", "damaged_tune_state"]
 
 # The trial itself only relays lines: it holds no resources (Tune's empty head bundle), so a
 # cluster of exactly K x np rank slots runs K trials at once.
@@ -253,6 +264,37 @@ def _within(config: dict[str, Any], *, ranges: dict[str, Any]) -> dict[str, Any]
     return config
 
 
+def damaged_tune_state(experiment: Path) -> str | None:
+    """The first of Ray's saved experiment files that cannot be read back, as 'FILE (why)', or
+    None when ``Tuner.restore`` can use them. Ray's syncer copies them into the storage path in
+    place, not by rename: a driver killed during that copy leaves a truncated file, and Tune
+    then restores an experiment with one new trial and an empty config (seen: a 0-byte
+    basic-variant-state-*.json after SIGKILL)."""
+    import pickle
+
+    from ray import cloudpickle
+
+    def newest(pattern: str) -> list[Path]:
+        found = sorted(experiment.glob(pattern))  # Ray restores the newest by name (a timestamp)
+        return found[-1:]
+
+    for path in [experiment / TUNER_STATE, *newest(STATE_GLOB), *newest(SEARCHER_GLOB)]:
+        try:
+            if path.stat().st_size == 0:
+                return f"{path} (empty)"
+            with path.open("rb") as f:
+                if path.name.startswith("experiment_state-"):
+                    json.load(f)
+                else:
+                    cloudpickle.load(f)
+        except FileNotFoundError:
+            if path.name == TUNER_STATE:
+                return f"{path} (missing)"
+        except (OSError, EOFError, ValueError, pickle.UnpicklingError) as exc:
+            return f"{path} ({type(exc).__name__}: {exc})"
+    return None
+
+
 def _tune_metric(spec: SweepSpec) -> str:
     return "final_loss" if spec.metric in ("final_loss", "loss") else spec.metric
 
@@ -284,6 +326,16 @@ def run_tune(out: Path, spec: SweepSpec, trials: list[dict[str, Any]], backend: 
                           env=worker_env({}, forward=ray_spec.forward), cwd=os.getcwd()),
         tune.PlacementGroupFactory(bundles, strategy="PACK"))
     storage = str((out / TUNE_DIR).resolve())
+    damage = damaged_tune_state(Path(storage) / EXPERIMENT) if resume else None
+    if damage is not None:
+        # hvdkit keeps what a trial needs to go on in its own files (each attempt's checkpoints,
+        # each finished trial's results, ASHA's decisions): a fresh experiment resumes every
+        # trial from them. What is lost is Tune's own history (PBT's exploits before the loss).
+        aside = Path(storage) / f"{EXPERIMENT}-damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+        (Path(storage) / EXPERIMENT).rename(aside)
+        warn(f"Ray's saved experiment cannot be restored: {damage}. Moved it to {aside}; every "
+             f"trial resumes from its own checkpoints under {out / 'checkpoints'} in a new experiment")
+        resume = False
     if resume:
         tuner = tune.Tuner.restore(str(Path(storage) / EXPERIMENT), trainable, resume_unfinished=True,
                                    resume_errored=True)
