@@ -40,7 +40,7 @@ LR_SCHEDULES = ("constant", "cosine", "step")       # after the warm-up (hvdkit.
 PRECISIONS = ("fp32", "bf16", "fp16")  # hvdkit.precision implements them
 COMPRESSIONS = ("none", "fp16", "powersgd")  # powersgd takes options: powersgd:rank=R,start=N
 POWERSGD_DEFAULTS = {"rank": 2, "start": 10}  # see CompressionSpec
-SHARD_MODES = ("none", "optimizer", "full")  # hvdkit.backends.zero; FSDP2 for full (DDP only)
+SHARD_MODES = ("none", "optimizer", "full")  # hvdkit.backends.zero; full: FSDP2 (DDP), hvdkit.backends.zero3 (Horovod)
 HOROVOD_OPS = ("average", "sum", "adasum")
 HOROVOD_REDUCERS = ("bucketed", "stock")
 NONFINITE_MODES = ("stop", "warn")  # hvdkit.nonfinite
@@ -277,7 +277,7 @@ class BackendConfig:
 
     name: str = field(default_factory=lambda: launched_backend() or DEFAULT_BACKEND)
     accumulation_steps: int = 1
-    shard: str = "none"  # optimizer: ZeRO-1/2 (1/N of the optimizer state); full: FSDP2 (DDP)
+    shard: str = "none"  # optimizer: ZeRO-1/2 (1/N of the optimizer state); full: FSDP2 (DDP), ZeRO-3 (Horovod)
     activation_checkpointing: bool = False  # recompute each block's activations in backward (hvdkit.blocks)
     horovod: HorovodOptions = field(default_factory=HorovodOptions)
     ddp: DDPOptions = field(default_factory=DDPOptions)
@@ -317,8 +317,8 @@ class BackendConfig:
         if self.shard == "full" and not own.full_shard:
             full = ", ".join(f"--backend {t.name}" for t in TRAITS.values() if t.full_shard)
             raise ConfigError(f"--shard full is not available with --backend {self.name}: it shards the parameters "
-                              f"with FSDP2, which only {full} runs (each layer's weights gathered in forward and "
-                              "backward)", f"use --shard optimizer (ZeRO-1/2, any backend), or {full} --shard full")
+                              f"over ranks, which only {full} run (each layer's weights gathered in forward and "
+                              "backward)", f"use {full} --shard full")
         compression, section = self.compression, self.options
         if self.shard != "none":
             refuse_combinations(f"--shard {self.shard}", (

@@ -149,13 +149,16 @@ def test_no_backend_name_is_compared_outside_backends_and_bench():
 
 
 def test_gradient_hooks_are_registered_by_their_owners_only():
-    """The bucket engine (Horovod's reducer, ZeRO) and DDP's replicated strategy (its comm hooks
-    and the last-gradient timestamp); nothing else hooks gradients."""
+    """The bucket engine (Horovod's reducer, ZeRO, ZeRO-3) and DDP's replicated strategy (its comm
+    hooks and the last-gradient timestamp); nothing else hooks gradients. ZeRO-3 hooks a unit's
+    outputs, not a gradient: backward reaching them gathers the unit's parameters again."""
     hooks = {"register_post_accumulate_grad_hook", "register_hook", "register_comm_hook",
              "register_full_backward_hook", "register_full_backward_pre_hook"}
     where = sorted({str(path.relative_to(PKG)) for path in PKG.rglob("*.py") for call in _calls(path)
                     if getattr(call.func, "attr", None) in hooks})
-    assert where == ["backends/buckets.py", "backends/ddp.py"], where
+    assert where == ["backends/buckets.py", "backends/ddp.py", "backends/zero3.py"], where
+    zero3 = {getattr(call.func, "attr", None) for call in _calls(PKG / "backends" / "zero3.py")} & hooks
+    assert zero3 == {"register_hook"}, zero3
 
 
 def test_every_shard_mode_has_one_strategy():

@@ -126,7 +126,8 @@ def test_activation_checkpointing_ends_on_the_same_bits_in_every_mode(tmp_path):
     bits of the plain unsharded run (sharded equals unsharded at 2 ranks, test_shard.py, and
     the two backends add two gradients alike)."""
     ref, _ = _run(tmp_path, "plain", "ddp", "none")
-    for backend, shard in [("ddp", "none"), ("ddp", "full"), ("horovod", "none"), ("horovod", "optimizer")]:
+    for backend, shard in [("ddp", "none"), ("ddp", "full"), ("horovod", "none"), ("horovod", "optimizer"),
+                           ("horovod", "full")]:
         got, out = _run(tmp_path, f"ac-{backend}-{shard}", backend, shard, "--activation-checkpointing")
         assert "activation checkpointing: 48 block(s) of --model mlp recomputed in backward" in out, out[-2000:]
         assert got["param_digest"] == ref["param_digest"] and got["final_loss"] == ref["final_loss"], (backend, shard)

@@ -34,7 +34,8 @@ def _run(tmp_path, name: str, backend: str, np: int, shard: str, *extra: str) ->
 
 
 def _modes(backend: str) -> list[str]:
-    return ["optimizer", "full"] if backend == "ddp" else ["optimizer"]
+    """Both backends shard both ways: full is FSDP2 on DDP, hvdkit's ZeRO-3 on Horovod."""
+    return ["optimizer", "full"]
 
 
 @pytest.mark.mp
@@ -103,8 +104,8 @@ def test_gradient_buckets_travel_during_backward(tmp_path, backend):
 @pytest.mark.timeout(500)  # measured 36 s (2 cores, loaded)
 def test_checkpoints_cross_sharding_modes_backends_and_world_sizes(tmp_path):
     """Saved sharded (FSDP2, 2 ranks), the file holds what the unsharded run's holds, in
-    torch.optim's layout; resumed on Horovod's ZeRO at 3 ranks it continues like an unsharded
-    3-rank resume of the same file."""
+    torch.optim's layout; resumed on Horovod's ZeRO (1/2 and 3) or FSDP2 at 3 ranks it continues
+    like an unsharded 3-rank resume of the same file."""
     a, b = tmp_path / "full", tmp_path / "none"
     _run(tmp_path, "save-full", "ddp", 2, "full", "--epochs", "1", "--checkpoint-dir", str(a))
     _run(tmp_path, "save-none", "ddp", 2, "none", "--epochs", "1", "--checkpoint-dir", str(b))
@@ -125,9 +126,15 @@ def test_checkpoints_cross_sharding_modes_backends_and_world_sizes(tmp_path):
     assert zero["final_loss"] == pytest.approx(plain["final_loss"], rel=1e-5)
     assert zero["global_step"] == plain["global_step"] and zero["params_identical"] is True
     # resumed into FSDP2 at 3 ranks: each rank is sent its own rows, the last parts shorter
+    e = tmp_path / "full-copy-2"
+    shutil.copytree(d, e)
     full = _run(tmp_path, "resume-full", "ddp", 3, "full", "--epochs", "2", "--checkpoint-dir", str(d))
     assert full["final_loss"] == pytest.approx(plain["final_loss"], rel=1e-5)
     assert full["global_step"] == plain["global_step"]
+    # and into Horovod's ZeRO-3 at 3 ranks: the same rows, over Horovod's broadcasts
+    zero3 = _run(tmp_path, "resume-zero3", "horovod", 3, "full", "--epochs", "2", "--checkpoint-dir", str(e))
+    assert zero3["final_loss"] == pytest.approx(plain["final_loss"], rel=1e-5)
+    assert zero3["global_step"] == plain["global_step"]
 
 
 def test_optimizer_state_is_balanced_on_a_real_model():
@@ -155,10 +162,9 @@ def test_optimizer_state_is_balanced_on_a_real_model():
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--backend", "horovod", "--shard", "full"], "--shard full is not available with --backend horovod"),
     # no word about Horovod for the local backend (the message was Horovod's for every backend)
-    (["--backend", "local", "--shard", "full"], "--backend local: it shards the parameters with FSDP2, which "
-                                                 "only --backend ddp runs"),
+    (["--backend", "local", "--shard", "full"], "--backend local: it shards the parameters over ranks, which "
+                                                 "only --backend horovod, --backend ddp run"),
     (["--backend", "ddp", "--shard", "optimizer", "--precision", "fp16"], "cannot be combined with --precision fp16"),
     (["--backend", "horovod", "--shard", "optimizer", "--hvd-op", "adasum"], "cannot be combined with --hvd-op adasum"),
     (["--backend", "ddp", "--shard", "full", "--uneven"], "cannot be combined with --uneven"),

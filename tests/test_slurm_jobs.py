@@ -59,13 +59,14 @@ def test_horovod_and_ddp_agree(reference_losses):
 
 
 @pytest.mark.timeout(400)  # measured 22 s (2 cores, loaded)
-@pytest.mark.parametrize("who", ["steps", "full", "batch", "usr2", "zero", "fsdp"])
+@pytest.mark.parametrize("who", ["steps", "full", "batch", "usr2", "zero", "fsdp", "zero3"])
 def test_sigusr1_checkpoints_requeues_and_resumes(tmp_path, reference_losses, who):
     """scancel --signal=USR1 reaches the steps; --full also, --batch only, the batch shell (which traps it).
     USR2 (what sites pick when USR1 clashes; the script forwards it too) acts like USR1. Sharded
-    runs (Horovod's ZeRO, DDP's FSDP2) are preempted and resumed the same way; at 2 ranks they
-    end on the unsharded run's loss."""
-    backend, shard = {"zero": ("horovod", "optimizer"), "fsdp": ("ddp", "full")}.get(who, ("ddp", "none"))
+    runs (Horovod's ZeRO-1/2 and ZeRO-3, DDP's FSDP2) are preempted and resumed the same way; at 2
+    ranks they end on the unsharded run's loss."""
+    backend, shard = {"zero": ("horovod", "optimizer"), "fsdp": ("ddp", "full"),
+                      "zero3": ("horovod", "full")}.get(who, ("ddp", "none"))
     # both ranks wait before step 20 until the signal has reached them (hvdkit.faults): it
     # lands mid-run whatever the machine's load, never after the last step
     script = render(tmp_path, "preempt", "--backend", backend, "--tasks-per-node", "2",

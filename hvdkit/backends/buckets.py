@@ -1,7 +1,8 @@
 """The one bucket engine: a planner, and a hook-driven launcher parameterised by the collective.
 
 Every gradient reduction hvdkit does itself goes through here: the Horovod allreduce reducer
-(:mod:`hvdkit.backends.hvd_reducer`) and ZeRO's reduce-scatter (:mod:`hvdkit.backends.zero`).
+(:mod:`hvdkit.backends.hvd_reducer`), ZeRO's reduce-scatter (:mod:`hvdkit.backends.zero`) and
+ZeRO-3's, one bucket per unit (:mod:`hvdkit.backends.zero3`).
 What differs between them is only what a bucket's collective is (how its gradients are laid
 out in one flat buffer, which collective sends it, what is done with the result); that is
 the ``start`` function a user of :class:`BucketEngine` passes. The rest is the same rules for
@@ -10,7 +11,9 @@ both, kept here once:
 * :func:`plan_buckets` groups parameters into buckets, in reverse registration order (the
   order backward produces their gradients), one dtype and device per bucket, about a cap
   each, no parameter ever split.
-* :class:`BucketEngine` counts gradient arrivals with post-accumulate hooks. A parameter's
+* :class:`BucketEngine` counts gradient arrivals with post-accumulate hooks (and tells
+  ``on_pass`` when a bucket's gradients have all arrived in one backward pass: ZeRO-3 frees
+  the unit's gathered parameters then). A parameter's
   gradient is complete after ``backward_passes`` arrivals (gradient accumulation). A bucket
   whose every trainable gradient is complete is started **in plan order**: every rank must
   issue its collectives in one order (torch.distributed requires it, and Horovod's
@@ -101,8 +104,10 @@ class BucketEngine:
     """
 
     def __init__(self, params: Sequence[torch.Tensor], plan: Sequence[Sequence[int]],
-                 start: Callable[[int], Wait], backward_passes: int = 1) -> None:
+                 start: Callable[[int], Wait], backward_passes: int = 1,
+                 on_pass: Callable[[int], None] | None = None) -> None:
         self.params = list(params)
+        self._on_pass = on_pass  # bucket b's every trainable gradient arrived once more (after its start)
         self.plan = [tuple(members) for members in plan]
         self.backward_passes = backward_passes
         self._start_fn = start
@@ -119,6 +124,7 @@ class BucketEngine:
 
     def _clear(self) -> None:
         self._arrivals = [0] * len(self.params)
+        self._seen = [0] * len(self.plan)        # arrivals in each bucket this step (every pass)
         self._ready = [0] * len(self.plan)       # parameters whose gradient is complete this step
         self._waits: list[Wait | None] = [None] * len(self.plan)
         self._stale = [False] * len(self.plan)   # a gradient grew after the bucket started
@@ -158,6 +164,9 @@ class BucketEngine:
         if started and self._next < len(self.plan):
             self._overlapped = True  # gradients still to come: this one overlaps them
         self.stats["buckets_started_in_backward"] += started
+        self._seen[b] += 1
+        if self._on_pass is not None and self._seen[b] % self._expected[b] == 0:
+            self._on_pass(b)
 
     def _start(self, b: int) -> None:
         self._waits[b] = self._start_fn(b)

@@ -29,10 +29,10 @@ from torch import nn
 
 from ..blocks import shard_units
 from ..errors import HvdkitError
-from ..h5tree import Deferred, Stored, materialize, tree_leaves
+from ..h5tree import Deferred, Stored, materialize
 from ..materialise import own_tensors
 from .comm import Communicator, broadcast_tensors, broadcast_tree
-from .strategy import Strategy, held_state, regrouped
+from .strategy import Strategy, collective_eval_batches, held_state, loaded_mismatch, regrouped, state_spec
 
 if TYPE_CHECKING:
     from ..materialise import MetaInit
@@ -199,17 +199,8 @@ def scatter_model_state(model: nn.Module, comm: Communicator, loaded: dict[str, 
     is_root = comm.rank == root
     _reshard(model)
     own = model.state_dict()
-    problem: tuple[str, str] | None = None
-    if is_root and loaded is not None and set(loaded) != set(own):
-        missing, extra = sorted(set(own) - set(loaded)), sorted(set(loaded) - set(own))
-        problem = (f"the checkpoint's model does not match: missing {missing[:5]}, unexpected {extra[:5]}",
-                   "restore into the model the checkpoint was written from")
-    elif is_root and loaded is not None:
-        wrong = [f"{k} {tuple(v.shape)} (the model's {tuple(own[k].shape)})" for k, v in loaded.items()
-                 if hasattr(v, "shape") and tuple(v.shape) != tuple(own[k].shape)]
-        if wrong:
-            problem = (f"the checkpoint's model does not match: {', '.join(wrong[:3])}",
-                       "restore into the model the checkpoint was written from")
+    problem = loaded_mismatch({k: tuple(v.shape) for k, v in own.items()}, loaded) \
+        if is_root and loaded is not None else None
     if is_root and loaded is None and root != 0:
         problem = (f"--shard full: every rank's parameters are rank 0's since wrap() (sharded, no rank holds "
                    f"another's whole model), so rank {root}'s can come only from a state loaded on rank {root}",
@@ -241,7 +232,7 @@ def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, 
     groups = comm.broadcast_object(loaded["param_groups"] if is_root and loaded is not None else None, root)
     # every entry's shape and dtype (from the file's metadata: nothing read yet), or its value,
     # in one object: then each tensor is sent alone
-    specs: Any = comm.broadcast_object({int(i): {k: _spec(v) for k, v in entry.items()}
+    specs: Any = comm.broadcast_object({int(i): {k: state_spec(v) for k, v in entry.items()}
                                         for i, entry in loaded["state"].items()}
                                        if is_root and loaded is not None else None, root)
     held = held_state(optimizer)["state"]  # read into where it is held: never the state twice
@@ -263,18 +254,6 @@ def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, 
                 state[i][key] = _as_like(part, params[i], spec[1], held.get(i, {}).get(key))
                 del value
     optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
-def _spec(value: Any) -> tuple[Any, ...]:
-    """An optimizer state entry as others need it before its bytes: ("tensor", shape, dtype),
-    ("value", the value itself), or ("tree",) for a nesting that holds tensors."""
-    if isinstance(value, Stored):
-        return "tensor", value.shape, value.dtype
-    if isinstance(value, torch.Tensor):
-        return "tensor", tuple(value.shape), value.dtype
-    if any(True for _ in tree_leaves(value)):
-        return ("tree",)
-    return "value", value
 
 
 class FullyShardedStrategy(Strategy):
@@ -367,16 +346,4 @@ class FullyShardedStrategy(Strategy):
         return tuple(local(items) for items in super().held(model, optimizer))  # type: ignore[return-value]
 
     def eval_batches(self, loader: Iterable[Any], shard: Sized) -> Iterator[tuple[Any, int]]:
-        """FSDP2's forward is collective: a rank with fewer batches runs its first one again
-        with weight 0, until every rank has run as many."""
-        mine = len(loader)  # type: ignore[arg-type]
-        most = int(self.comm.allreduce_metric(float(mine), "max"))
-        first = None
-        for batch in loader:
-            first = batch if first is None else first
-            yield batch, 1
-        for _ in range(most - mine):
-            if first is None:
-                raise HvdkitError("a rank has no validation batch to keep FSDP's collective forward "
-                                  "in step with the others", "use at least one validation sample per rank")
-            yield first, 0
+        return collective_eval_batches(self.comm, loader, "FSDP's")

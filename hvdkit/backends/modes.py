@@ -13,13 +13,22 @@ from ..config import BackendConfig
 from .comm import Communicator
 from .fsdp import FullyShardedStrategy
 from .strategy import Strategy
+from .traits import TRAITS
 from .zero import ZeroStrategy
+from .zero3 import Zero3Strategy
+
+# --shard full: torch's FSDP2 where the backend is torch.distributed's, else hvdkit's ZeRO-3 on
+# the backend's own collectives (BackendTraits.full_shard says which)
+FULL: dict[str, Callable[[Communicator, BackendConfig], Strategy]] = {
+    "fsdp2": lambda comm, _config: FullyShardedStrategy(comm),
+    "zero3": lambda comm, config: Zero3Strategy(comm, config.accumulation_steps),
+}
 
 __all__ = ["SHARDED", "make_strategy"]
 
 SHARDED: dict[str, Callable[[Communicator, BackendConfig], Strategy]] = {
     "optimizer": lambda comm, config: ZeroStrategy(comm, config.bucket_cap_mb, config.accumulation_steps),
-    "full": lambda comm, _config: FullyShardedStrategy(comm),
+    "full": lambda comm, config: FULL[str(TRAITS[config.name].full_shard)](comm, config),
 }
 
 

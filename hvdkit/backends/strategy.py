@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..materialise import MetaInit
 
 __all__ = ["Strategy", "Replicated", "local_step", "clip_gradients", "same_optimizer", "regrouped",
-           "load_module_tensors"]
+           "load_module_tensors", "collective_eval_batches", "loaded_mismatch", "state_spec"]
 
 
 def load_module_tensors(module: nn.Module, state: dict[str, Any]) -> None:
@@ -118,6 +118,52 @@ def held_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     collective for a sharded optimizer and a load may run on one rank alone."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return {"state": {i: optimizer.state[p] for i, p in enumerate(params) if p in optimizer.state}}
+
+
+def collective_eval_batches(comm: Communicator, loader: Iterable[Any], what: str) -> Iterator[tuple[Any, int]]:
+    """Evaluation batches where the forward is collective (a sharded model gathers each unit):
+    a rank with fewer batches runs its first one again with weight 0, until every rank has run
+    as many, so every sample still counts exactly once."""
+    mine = len(loader)  # type: ignore[arg-type]
+    most = int(comm.allreduce_metric(float(mine), "max"))
+    first = None
+    for batch in loader:
+        first = batch if first is None else first
+        yield batch, 1
+    for _ in range(most - mine):
+        if first is None:
+            from ..errors import HvdkitError
+
+            raise HvdkitError(f"a rank has no validation batch to keep {what} collective forward in step with the "
+                              "others", "use at least one validation sample per rank")
+        yield first, 0
+
+
+def loaded_mismatch(shapes: dict[str, tuple[int, ...]], loaded: dict[str, Any]) -> tuple[str, str] | None:
+    """Why a loaded model state does not fit a model whose tensors have ``shapes`` (message, hint), or None."""
+    hint = "restore into the model the checkpoint was written from"
+    if set(loaded) != set(shapes):
+        missing, extra = sorted(set(shapes) - set(loaded)), sorted(set(loaded) - set(shapes))
+        return f"the checkpoint's model does not match: missing {missing[:5]}, unexpected {extra[:5]}", hint
+    wrong = [f"{k} {tuple(v.shape)} (the model's {shapes[k]})" for k, v in loaded.items()
+             if hasattr(v, "shape") and tuple(v.shape) != shapes[k]]
+    if wrong:
+        return f"the checkpoint's model does not match: {', '.join(wrong[:3])}", hint
+    return None
+
+
+def state_spec(value: Any) -> tuple[Any, ...]:
+    """An optimizer state entry as others need it before its bytes: ("tensor", shape, dtype),
+    ("value", the value itself), or ("tree",) for a nesting that holds tensors."""
+    from ..h5tree import tree_leaves
+
+    if isinstance(value, Stored):
+        return "tensor", value.shape, value.dtype
+    if isinstance(value, torch.Tensor):
+        return "tensor", tuple(value.shape), value.dtype
+    if any(True for _ in tree_leaves(value)):
+        return ("tree",)
+    return "value", value
 
 
 class Strategy:

@@ -28,7 +28,7 @@ class BackendTraits:
     gpu_process_group: str | None = None  # the only process group that uses GPUs, if it picks one
     ray_runner: str | None = None      # on Ray: "horovod.ray" (Horovod's RayExecutor) or "group" (hvdkit's)
     options: str | None = None         # its own options section in BackendConfig ("horovod", "ddp"): --hvd-op ...
-    full_shard: bool = False           # --shard full (FSDP2: parameters sharded, gathered layer by layer)
+    full_shard: str | None = None      # --shard full: "fsdp2" (torch's) or "zero3" (hvdkit's, its collectives)
 
     @property
     def multi_process(self) -> bool:
@@ -44,11 +44,12 @@ TRAITS: dict[str, BackendTraits] = {t.name: t for t in (
     # Horovod meets over MPI or Gloo: horovodrun, mpirun or srun (PMIx gives it MPI ranks)
     BackendTraits("horovod", "hvdkit.backends.horovod:HorovodBackend",
                   launchers=("horovodrun", "mpirun", "srun", "ray"),
-                  srun_mpi=("pmix", "pmi2", "none"), elastic=True, ray_runner="horovod.ray", options="horovod"),
+                  srun_mpi=("pmix", "pmi2", "none"), elastic=True, ray_runner="horovod.ray", options="horovod",
+                  full_shard="zero3"),
     # DDP meets rank 0 over TCP (MASTER_ADDR): any launcher that sets ranks, but no MPI for
     # srun to wire up, and horovodrun sets none of the variables it reads
     BackendTraits("ddp", "hvdkit.backends.ddp:DDPBackend", launchers=("mpirun", "srun", "ray"),
-                  srun_mpi=("none",), gpu_process_group="nccl", ray_runner="group", options="ddp", full_shard=True),
+                  srun_mpi=("none",), gpu_process_group="nccl", ray_runner="group", options="ddp", full_shard="fsdp2"),
     BackendTraits("local", "hvdkit.backends.local:LocalBackend"),
 )}
 BACKENDS = tuple(TRAITS)

@@ -45,6 +45,7 @@ PATHS: dict[str, dict[str, Any]] = {
     "ddp shard=optimizer": {"run": ["--backend", "ddp"], "train": ["--shard", "optimizer"]},
     "ddp shard=full": {"run": ["--backend", "ddp"], "train": ["--shard", "full"]},
     "horovod shard=optimizer": {"run": ["--backend", "horovod"], "train": ["--shard", "optimizer"]},
+    "horovod shard=full": {"run": ["--backend", "horovod"], "train": ["--shard", "full"]},
 }
 
 

@@ -165,7 +165,7 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
       type=click.IntRange(min=1), default=BACKEND["accumulation_steps"], help="Micro-batches per optimizer step.")
 @_opt("--shard", type=click.Choice(SHARD_MODES), default=BACKEND["shard"],
       help="none; optimizer: each rank keeps 1/N of the optimizer state and gradients (ZeRO-1/2, "
-           "both backends); full: parameters too (FSDP2, --backend ddp).")
+           "both backends); full: parameters too (ZeRO-3 on Horovod's collectives, FSDP2 on DDP).")
 @_opt("--activation-checkpointing/--no-activation-checkpointing", default=BACKEND["activation_checkpointing"],
       help="Recompute each block's activations in backward instead of keeping them (less memory, about one "
            "more forward); the same bits. A block: an entry of a ModuleList/Sequential that holds modules.")
