@@ -29,10 +29,10 @@ from torch import nn
 
 from ..blocks import shard_units
 from ..errors import HvdkitError
-from ..h5tree import Deferred, Stored, materialize
+from ..h5tree import Deferred, Stored
 from ..materialise import own_tensors
-from .comm import Communicator, broadcast_tensors, broadcast_tree
-from .strategy import Strategy, collective_eval_batches, held_state, loaded_mismatch, regrouped, state_spec
+from .comm import Communicator, broadcast_tensors
+from .strategy import Strategy, collective_eval_batches, held_state, loaded_mismatch, regrouped, scatter_optimizer
 
 if TYPE_CHECKING:
     from ..materialise import MetaInit
@@ -224,36 +224,15 @@ def scatter_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, 
     """Collective: every rank takes its shards of the optimizer state ``root`` ``loaded`` (a
     resume), one tensor at a time; nothing when it holds none (a fresh optimizer has no state
     to agree on)."""
-    is_root = comm.rank == root
-    if not comm.broadcast_object(is_root and loaded is not None, root):
-        return
     _reshard(model)
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    groups = comm.broadcast_object(loaded["param_groups"] if is_root and loaded is not None else None, root)
-    # every entry's shape and dtype (from the file's metadata: nothing read yet), or its value,
-    # in one object: then each tensor is sent alone
-    specs: Any = comm.broadcast_object({int(i): {k: state_spec(v) for k, v in entry.items()}
-                                        for i, entry in loaded["state"].items()}
-                                       if is_root and loaded is not None else None, root)
     held = held_state(optimizer)["state"]  # read into where it is held: never the state twice
-    state: dict[int, dict[str, Any]] = {}
-    with torch.no_grad():
-        for i, entry_specs in specs.items():
-            entry = loaded["state"].get(i, loaded["state"].get(str(i))) if is_root and loaded is not None else None
-            state[i] = {}
-            for key, spec in entry_specs.items():
-                value = entry[key] if entry is not None else None
-                if spec[0] == "value":
-                    state[i][key] = spec[1]
-                    continue
-                if spec[0] == "tree":  # a nested entry (an optimizer of one's own): sent whole
-                    state[i][key] = broadcast_tree(comm, materialize(value) if is_root else None, root)
-                    continue
-                part = _part(comm, value.read() if isinstance(value, Stored) else value, spec[1], spec[2],
-                             params[i], root)
-                state[i][key] = _as_like(part, params[i], spec[1], held.get(i, {}).get(key))
-                del value
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def take(i: int, key: str, whole: torch.Tensor | None, spec: tuple[Any, ...]) -> Any:
+        part = _part(comm, whole, spec[1], spec[2], params[i], root)
+        return _as_like(part, params[i], spec[1], held.get(i, {}).get(key))
+
+    scatter_optimizer(comm, optimizer, loaded, root, take)
 
 
 class FullyShardedStrategy(Strategy):

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..materialise import MetaInit
 
 __all__ = ["Strategy", "Replicated", "local_step", "clip_gradients", "same_optimizer", "regrouped",
-           "load_module_tensors", "collective_eval_batches", "loaded_mismatch", "state_spec"]
+           "load_module_tensors", "collective_eval_batches", "loaded_mismatch", "state_spec", "scatter_optimizer"]
 
 
 def load_module_tensors(module: nn.Module, state: dict[str, Any]) -> None:
@@ -164,6 +164,39 @@ def state_spec(value: Any) -> tuple[Any, ...]:
     if any(True for _ in tree_leaves(value)):
         return ("tree",)
     return "value", value
+
+
+def scatter_optimizer(comm: Communicator, optimizer: torch.optim.Optimizer, loaded: dict[str, Any] | None,
+                      root: int, take: Callable[[int, str, Any, tuple[Any, ...]], Any]) -> None:
+    """Collective: every rank loads its part of the optimizer state ``root`` ``loaded`` (a
+    resume into a sharded model), one tensor at a time; nothing when root holds none. Each
+    entry's shape and dtype (from the file's metadata: nothing read yet), or its value, go first
+    in one object; then each tensor entry is ``take(index, key, root's tensor or None, spec)``,
+    a collective that returns this rank's part. A nested entry (an optimizer of one's own) is
+    sent whole."""
+    is_root = comm.rank == root
+    if not comm.broadcast_object(is_root and loaded is not None, root):
+        return
+    assert loaded is not None or not is_root
+    groups = comm.broadcast_object(materialize(loaded["param_groups"]) if is_root and loaded else None, root)
+    specs: Any = comm.broadcast_object({int(i): {k: state_spec(v) for k, v in entry.items()}
+                                        for i, entry in loaded["state"].items()}
+                                       if is_root and loaded is not None else None, root)
+    state: dict[int, dict[str, Any]] = {}
+    with torch.no_grad():
+        for i, entry_specs in specs.items():
+            entry = loaded["state"].get(i, loaded["state"].get(str(i))) if is_root and loaded is not None else None
+            state[i] = {}
+            for key, spec in entry_specs.items():
+                value = entry[key] if entry is not None else None
+                if spec[0] == "value":
+                    state[i][key] = spec[1]
+                elif spec[0] == "tree":
+                    state[i][key] = broadcast_tree(comm, materialize(value) if is_root else None, root)
+                else:
+                    state[i][key] = take(i, key, value.read() if isinstance(value, Stored) else value, spec)
+                del value
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 class Strategy:

@@ -52,11 +52,11 @@ from torch import nn
 
 from ..blocks import shard_units
 from ..errors import HvdkitError
-from ..h5tree import Deferred, Stored, materialize
+from ..h5tree import Deferred, Stored
 from ..materialise import own_tensors
 from .buckets import BucketEngine
-from .comm import Communicator, Wait, broadcast_tensors, broadcast_tree
-from .strategy import Strategy, collective_eval_batches, loaded_mismatch, same_optimizer, state_spec
+from .comm import Communicator, Wait, broadcast_tensors
+from .strategy import Strategy, collective_eval_batches, loaded_mismatch, same_optimizer, scatter_optimizer
 
 if TYPE_CHECKING:
     from ..materialise import MetaInit
@@ -494,35 +494,17 @@ class Zero3Strategy(Strategy):
         target.copy_(where[0].layouts[where[1]].own_rows(buf) if where else buf)
 
     def broadcast_optimizer(self, optimizer: torch.optim.Optimizer, root: int) -> None:
-        loaded = self._loaded.pop(optimizer, None)
-        is_root = self.comm.rank == root
-        if not self.comm.broadcast_object(is_root and loaded is not None, root):
-            return
-        groups = self.comm.broadcast_object(materialize(loaded["param_groups"]) if is_root and loaded else None, root)
-        specs: Any = self.comm.broadcast_object(
-            {int(i): {k: state_spec(v) for k, v in entry.items()} for i, entry in loaded["state"].items()}
-            if is_root and loaded is not None else None, root)
         places = self._params(optimizer)
-        state: dict[int, dict[str, Any]] = {}
-        with torch.no_grad():
-            for i, entry_specs in specs.items():
-                unit, k = places[i]
-                lay = unit.layouts[k]
-                entry = loaded["state"].get(i, loaded["state"].get(str(i))) if is_root and loaded is not None else None
-                state[i] = {}
-                for key, spec in entry_specs.items():
-                    value = entry[key] if entry is not None else None
-                    if spec[0] == "value":
-                        state[i][key] = spec[1]
-                    elif spec[0] == "tree" or tuple(spec[1]) != lay.shape:
-                        state[i][key] = broadcast_tree(self.comm, materialize(value) if is_root else None, root)
-                    else:
-                        whole = value.read() if isinstance(value, Stored) else value
-                        part = torch.empty(lay.shard_shape, dtype=spec[2], device=self.comm.device)
-                        self._take(whole, lay.shape, part, (unit, k), root)
-                        state[i][key] = part
-                    del value
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+        def take(i: int, _key: str, whole: torch.Tensor | None, spec: tuple[Any, ...]) -> torch.Tensor:
+            unit, k = places[i]
+            lay = unit.layouts[k]
+            rows = tuple(spec[1]) == lay.shape  # a moment, laid out as its parameter; else whole
+            out = torch.empty(lay.shard_shape if rows else spec[1], dtype=spec[2], device=self.comm.device)
+            self._take(whole, tuple(spec[1]), out, (unit, k) if rows else None, root)
+            return out
+
+        scatter_optimizer(self.comm, optimizer, self._loaded.pop(optimizer, None), root, take)
 
     # -- evaluation and reports -------------------------------------------------------------------
     def eval_batches(self, loader: Iterable[Any], shard: Sized) -> Iterator[tuple[Any, int]]:
