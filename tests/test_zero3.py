@@ -114,3 +114,9 @@ def test_a_meta_built_gpt_is_made_into_shards_to_the_bits_of_the_whole_build():
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == sum(
         p.numel() for p in whole.model.parameters())
     strategy.close()
+
+
+def test_a_unit_of_two_dtypes_is_refused_in_one_line():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16))
+    with pytest.raises(HvdkitError, match=r"2 dtypes \(torch.bfloat16, torch.float32\).*HINT: give its parameters"):
+        Zero3Strategy(LocalBackend(BackendConfig(name="local"))).wrap(model, torch.optim.SGD(model.parameters()))

@@ -118,6 +118,12 @@ class ShardedUnit:
             raise HvdkitError(f"--shard full on this backend splits every parameter by rows, and "
                               f"{type(module).__name__} has a 0-dimensional one",
                               "make it a 1-element tensor (shape (1,)), or use --shard optimizer")
+        dtypes = sorted({str(p.dtype) for p in params})
+        if len(dtypes) > 1:  # one flat buffer per unit, as FSDP2's
+            raise HvdkitError(f"--shard full gathers each unit in one buffer, and {type(module).__name__} holds "
+                              f"parameters of {len(dtypes)} dtypes ({', '.join(dtypes)})",
+                              "give its parameters one dtype (autocast handles mixed precision), or use --shard "
+                              "optimizer")
         self.layouts = [_Layout(tuple(p.shape), comm.size, comm.rank) for p in params]
         self.width = sum(lay.segment for lay in self.layouts)  # each rank's padded part
         with torch.no_grad():  # a meta-built model's are made by Zero3Strategy.wrap_meta
@@ -224,7 +230,6 @@ class Zero3Strategy(Strategy):
         self._handles: list[Any] = []
         self._shard_of: dict[int, tuple[ShardedUnit, int]] = {}  # id(registered parameter) -> where
         self._loaded: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-        self.waited = 0.0
 
     # -- building ----------------------------------------------------------------------------
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
