@@ -4,6 +4,7 @@ sharding modes, backends and world sizes."""
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import subprocess
@@ -223,8 +224,9 @@ def test_a_model_over_one_ranks_memory_budget_trains_when_fully_sharded_over_fou
 def test_buckets_are_resent_when_a_gradient_grows_after_they_started_and_forgotten_on_zero_grad():
     """One process, the local backend's collectives. A loop that runs two backward passes without
     saying so (backward_passes=1) starts every bucket on the first: the second makes them stale,
-    and the step must send the summed gradients, not the first pass's. ``zero_grad`` without a
-    step (a skipped step) leaves no bucket behind for the next one."""
+    and the step must reduce the summed gradients, not the first pass's: the first pass's were
+    freed when their buckets started (ZeRO-2), so the second pass's result is added to the
+    first's. ``zero_grad`` without a step (a skipped step) leaves no bucket behind for the next one."""
     from hvdkit.backends.local import LocalBackend
     from hvdkit.backends.zero import ShardedOptimizer
     from hvdkit.config import BackendConfig
@@ -233,15 +235,19 @@ def test_buckets_are_resent_when_a_gradient_grows_after_they_started_and_forgott
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.ReLU(),
                                 torch.nn.Linear(8, 1))
     ref = [p.detach().clone() for p in model.parameters()]
+    plain = copy.deepcopy(model)  # the two passes accumulated, for the expected gradients
     opt = ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), LocalBackend(BackendConfig(name="local")),
                            bucket_cap_mb=300 / 2**20)  # 300 bytes: weights of 256 bytes split them
     assert len(opt.buckets) == 3 and sorted(i for b in opt.buckets for i in b.params) == list(range(6))
     x = torch.randn(4, 8)
     model(x).sum().backward()
     assert opt.engine.in_flight == 3 and opt.overlap["buckets_started_in_backward"] == 3
+    assert all(p.grad is None for p in model.parameters())  # ZeRO-2: freed as each bucket started
     model(x).sum().backward()
     assert opt.engine.stale == 3
-    expected = [p.grad.clone() for p in model.parameters()]  # both passes, as accumulated
+    for _ in range(2):
+        plain(x).sum().backward()
+    expected = [p.grad for p in plain.parameters()]  # both passes, as accumulated
     opt.reduce_gradients()
     assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected))
     opt.zero_grad()

@@ -35,12 +35,17 @@ import torch
 
 from .comm import Wait
 
-__all__ = ["FIRST_BUCKET_BYTES", "MIN_BUCKET_BYTES", "BucketEngine", "bucket_bytes", "plan_buckets"]
+__all__ = ["FIRST_BUCKET_BYTES", "MIN_BUCKET_BYTES", "MAX_IN_FLIGHT", "BucketEngine", "bucket_bytes", "plan_buckets"]
 
 # DDP's first bucket is small (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB) so the
 # first allreduce starts early in backward; the Horovod reducer does the same.
 FIRST_BUCKET_BYTES = 1024 * 1024
 MIN_BUCKET_BYTES = 2**20  # below this a collective's fixed cost outweighs what overlap saves
+# Where a bucket's gradients are freed as it starts (ZeRO-2, ZeRO-3), its flat buffer is what
+# holds them, and Horovod keeps a collective's input alive until it is waited for: at most this
+# many buckets are left in flight (the oldest is waited for as another starts), or every
+# bucket's buffer would be held to the step, 4 bytes per parameter.
+MAX_IN_FLIGHT = 2
 
 
 

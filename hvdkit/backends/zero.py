@@ -11,7 +11,9 @@ by a gradient hook as soon as its last gradient has been accumulated (and every 
 has started: every rank issues the collectives in one order), so it travels while backward is
 still computing the earlier layers; :meth:`ShardedOptimizer.reduce_gradients` only waits.
 
-After the reduction a rank keeps only the gradients it owns (ZeRO-2's saving), steps them with
+A bucket's gradients are freed as it starts (its flat buffer travels; at most
+``MAX_IN_FLIGHT`` are left in flight), so after the reduction a rank holds only the gradients
+it owns (ZeRO-2's saving), from the result; it steps them with
 the user's own optimizer class and hyper-parameters, holding state only for them (ZeRO-1), and
 one **all-gather** per bucket gives every rank the whole model again.
 
@@ -44,7 +46,7 @@ import torch
 from torch import nn
 
 from ..h5tree import Deferred, materialize, materialize_into
-from .buckets import BucketEngine, bucket_bytes, plan_buckets
+from .buckets import MAX_IN_FLIGHT, BucketEngine, bucket_bytes, plan_buckets
 from .comm import Communicator, TensorSpec, Wait, broadcast_tree, skeleton, state_tensors
 from .strategy import Strategy, same_optimizer
 
@@ -137,6 +139,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.local = same_optimizer(optimizer, groups) if groups else None
         self._pending: dict[str, Any] | None = None  # a full state dict rank 0 loaded, to scatter
         # overlap with backward: the engine's hooks start whole buckets, in order, as they complete
+        self._results: dict[int, Wait] = {}  # this step's started buckets (a re-send adds to the first)
+        self._started: list[Wait] = []       # in the order started
         self.engine = BucketEngine(self.params, plan, self._start, backward_passes)
         self.waited = 0.0  # seconds in step() waiting for collectives
         if optimizer.state:  # state the caller's optimizer had (a restore before the wrap):
@@ -173,7 +177,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # -- the step, in three collective parts ---------------------------------------------
     def _start(self, b: int) -> Wait:
-        """Copy bucket ``b``'s gradients (zeros where none) into one buffer and start its collective."""
+        """Copy bucket ``b``'s gradients (zeros where none) into one buffer, free them (ZeRO-2:
+        the buffer is what travels, and the owner's come back from the result) and start its
+        collective. The oldest bucket beyond ``MAX_IN_FLIGHT`` is waited for here. A bucket
+        started again in one step (a gradient grew after it started, and the engine re-sends
+        it) adds the new result to the first: the reduction is linear, and the first pass's
+        gradients are gone."""
         bucket = self.buckets[b]
         first = self.params[bucket.params[0]]
         name = f"zero.{bucket.index}"
@@ -182,17 +191,35 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for _, p, at in self._slots(bucket):
                 if p.grad is not None:
                     flat[at:at + p.numel()].copy_(p.grad.reshape(-1))
-            return self.comm.start_reduce_scatter_mean(flat, name)
-        flat = torch.cat([self.params[i].grad.reshape(-1) if self.params[i].grad is not None
-                          else torch.zeros(self.params[i].numel(), dtype=first.dtype, device=first.device)
-                          for i in bucket.params])
-        return self.comm.start_allreduce_mean(flat, name)
+        else:
+            flat = torch.cat([self.params[i].grad.reshape(-1) if self.params[i].grad is not None
+                              else torch.zeros(self.params[i].numel(), dtype=first.dtype, device=first.device)
+                              for i in bucket.params])
+        for i in bucket.params:
+            self.params[i].grad = None
+        wait = (self.comm.start_reduce_scatter_mean if bucket.scatter else self.comm.start_allreduce_mean)(flat, name)
+        earlier, done = self._results.get(b), list[torch.Tensor]()
+
+        def result() -> torch.Tensor:
+            if not done:
+                out = wait()
+                done.append(out if earlier is None else earlier() + out)
+            return done[0]
+
+        self._results[b] = result
+        self._started.append(result)
+        if len(self._started) > MAX_IN_FLIGHT:
+            self._started[-1 - MAX_IN_FLIGHT]()
+        return result
 
     def reduce_gradients(self) -> None:
         """Wait for every bucket (the engine starts those backward did not): this rank's
         parameters get the averaged gradients, the rest none."""
         rank = self.comm.rank
-        for bucket, out in zip(self.buckets, self.engine.finish()):
+        outs = self.engine.finish()
+        self._results.clear()
+        self._started.clear()
+        for bucket, out in zip(self.buckets, outs):
             if bucket.scatter:  # out is this rank's segment
                 for p, at in self._own_slots(bucket):
                     p.grad = out[at:at + p.numel()].view_as(p)
@@ -281,6 +308,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.reset()  # a skipped step: finish and drop what is in flight
+        self._results.clear()
+        self._started.clear()
         for p in self.params:
             if set_to_none:
                 p.grad = None

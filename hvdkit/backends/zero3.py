@@ -20,7 +20,7 @@ DeepSpeed's ZeRO-3 does on NCCL:
 * The one bucket engine (:mod:`hvdkit.backends.buckets`, one bucket per unit) counts the
   gradients: when the last of a unit's has been accumulated its gradients go out in one
   **reduce-scatter** (same layout), started while backward goes on with earlier units, and the
-  whole gradients and parameters are freed at once (at most :data:`IN_FLIGHT` in flight). The
+  whole gradients and parameters are freed at once (at most ``MAX_IN_FLIGHT`` in flight). The
   step waits for the reduce-scatters, clips by the global norm (squares summed over ranks),
   and steps the shards.
 * ``--accumulation-steps``: the engine counts the passes; each pass frees the unit's
@@ -54,7 +54,7 @@ from ..blocks import shard_units
 from ..errors import HvdkitError
 from ..h5tree import Deferred, Stored
 from ..materialise import own_tensors
-from .buckets import BucketEngine
+from .buckets import MAX_IN_FLIGHT, BucketEngine
 from .comm import Communicator, Wait, broadcast_tensors
 from .strategy import Strategy, collective_eval_batches, loaded_mismatch, same_optimizer, scatter_optimizer
 
@@ -64,7 +64,6 @@ if TYPE_CHECKING:
 __all__ = ["Zero3Strategy", "ShardedUnit"]
 
 _EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-IN_FLIGHT = 2  # reduce-scatters in flight at once (each holds its unit's whole gradients)
 
 
 def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -357,13 +356,12 @@ class Zero3Strategy(Strategy):
             unit.gather()
 
     def _start_reduce(self, b: int) -> Wait:
-        """The engine's start for unit ``b``; the oldest reduce-scatter beyond :data:`IN_FLIGHT`
-        is waited for here: Horovod keeps a collective's input alive until it is waited for,
-        and every unit's whole gradients held to the step would be 4 bytes per parameter more."""
+        """The engine's start for unit ``b``; the oldest reduce-scatter beyond
+        :data:`~hvdkit.backends.buckets.MAX_IN_FLIGHT` is waited for here."""
         wait = self.units[b].start_reduce()
         self._started.append(wait)
-        if len(self._started) > IN_FLIGHT:
-            self._started[-1 - IN_FLIGHT]()
+        if len(self._started) > MAX_IN_FLIGHT:
+            self._started[-1 - MAX_IN_FLIGHT]()
         return wait
 
     # -- training ------------------------------------------------------------------------------
