@@ -36,6 +36,7 @@ gather, and the state's standard layout. The communicator supplies the collectiv
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -50,7 +51,7 @@ from .buckets import MAX_IN_FLIGHT, BucketEngine, bucket_bytes, plan_buckets
 from .comm import Communicator, TensorSpec, Wait, broadcast_tree, skeleton, state_tensors
 from .strategy import Strategy, same_optimizer
 
-__all__ = ["OwnedBucket", "ShardedOptimizer", "ZeroStrategy", "assign_owners"]
+__all__ = ["OwnedBucket", "ShardedOptimizer", "ZeroStrategy", "assign_owners", "plan_owned"]
 
 
 def _indexed(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -101,6 +102,17 @@ def assign_owners(plan: Sequence[Sequence[int]], numels: list[int], world: int) 
     return buckets, owner
 
 
+def plan_owned(params: Sequence[torch.Tensor], bucket_cap_mb: float,
+               world: int) -> tuple[list[list[int]], list[OwnedBucket], list[int]]:
+    """The buckets of ``params`` (the optimizer's, in its groups' order), their owners' layout
+    and every parameter's owner: a function of the shapes alone (a meta model's too), so the
+    memory preflight plans exactly what the optimizer will."""
+    sizes = [p.numel() * p.element_size() for p in params]
+    plan = plan_buckets(sizes, [(p.dtype, p.device) for p in params], bucket_bytes(sum(sizes), bucket_cap_mb))
+    buckets, owner = assign_owners(plan, [p.numel() for p in params], world)
+    return plan, buckets, owner
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """Wraps the optimizer the user built: same ``param_groups`` (schedulers work on them), state
     only for this rank's parameters. :meth:`step` is reduce, clip, local step, gather.
@@ -123,10 +135,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.params = [p for g in self.param_groups for p in g["params"]]
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         rank = comm.rank
-        numels = [p.numel() for p in self.params]
-        sizes = [p.numel() * p.element_size() for p in self.params]
-        plan = plan_buckets(sizes, [(p.dtype, p.device) for p in self.params], bucket_bytes(sum(sizes), bucket_cap_mb))
-        self.buckets, self.owner = assign_owners(plan, numels, comm.size)
+        plan, self.buckets, self.owner = plan_owned(self.params, bucket_cap_mb, comm.size)
         self.mine = [i for i, o in enumerate(self.owner) if o == rank]
         groups = []
         self._group_of_local: list[int] = []
@@ -267,10 +276,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def gather_parameters(self) -> None:
         """Every rank takes every owner's updated parameters: one all-gather per scattered
-        bucket, one broadcast from the owner per parameter of a replicated one, all started
-        before the first is waited for."""
+        bucket, one broadcast from the owner per parameter of a replicated one, in plan order,
+        at most :data:`~hvdkit.backends.buckets.MAX_IN_FLIGHT` in flight (each all-gather's
+        result is a whole bucket: all at once would be the whole model again)."""
         rank = self.comm.rank
-        waits: list[tuple[OwnedBucket, Callable[[], torch.Tensor]]] = []
+        pending: collections.deque[tuple[OwnedBucket, Callable[[], torch.Tensor]]] = collections.deque()
+
+        def finish_oldest() -> None:
+            bucket, wait = pending.popleft()
+            flat = wait()
+            if bucket.scatter:
+                for r, p, at in self._slots(bucket):
+                    if r != rank:
+                        p.copy_(flat[at:at + p.numel()].view_as(p))
+
         with torch.no_grad():
             for bucket in self.buckets:
                 if bucket.scatter:
@@ -278,17 +297,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     mine = torch.zeros(bucket.width, dtype=first.dtype, device=first.device)
                     for p, at in self._own_slots(bucket):
                         mine[at:at + p.numel()].copy_(p.reshape(-1))
-                    waits.append((bucket, self.comm.start_all_gather_flat(mine, f"zero.{bucket.index}")))
+                    pending.append((bucket, self.comm.start_all_gather_flat(mine, f"zero.{bucket.index}")))
                 else:
                     for i in bucket.params:
-                        waits.append((bucket, self.comm.start_broadcast_(self.params[i].data, self.owner[i],
-                                                                            f"zero.{bucket.index}.{i}")))
-            for bucket, wait in waits:
-                flat = wait()
-                if bucket.scatter:
-                    for r, p, at in self._slots(bucket):
-                        if r != rank:
-                            p.copy_(flat[at:at + p.numel()].view_as(p))
+                        pending.append((bucket, self.comm.start_broadcast_(self.params[i].data, self.owner[i],
+                                                                           f"zero.{bucket.index}.{i}")))
+                while len(pending) > MAX_IN_FLIGHT:
+                    finish_oldest()
+            while pending:
+                finish_oldest()
 
     def step(self, closure: Any = None, clip_grad_norm: float | None = None) -> Any:  # type: ignore[override]
         """Collective: reduce, clip the reduced gradients to ``clip_grad_norm`` (their global
