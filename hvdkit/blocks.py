@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["MIN_BLOCK_PARAMS", "shard_units", "checkpoint_activations"]
+__all__ = ["MIN_BLOCK_PARAMS", "shard_units", "recomputed_blocks", "checkpoint_activations"]
 
 MIN_BLOCK_PARAMS = 100_000
 
@@ -60,6 +60,12 @@ def _outermost(found: list[nn.Module]) -> list[nn.Module]:
     return list({id(b): b for b in found if id(b) not in inner}.values())
 
 
+def recomputed_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks ``--activation-checkpointing`` recomputes: the outermost entries that hold
+    modules of their own."""
+    return _outermost([block for _, block in _entries(model) if next(block.children(), None) is not None])
+
+
 def checkpoint_activations(model: nn.Module) -> int:
     """Recompute each outermost block's activations in backward instead of keeping them
     (``torch.utils.checkpoint``, non-reentrant: it keeps the RNG state, so dropout draws the
@@ -68,7 +74,7 @@ def checkpoint_activations(model: nn.Module) -> int:
     number of blocks."""
     from torch.utils.checkpoint import checkpoint
 
-    outer = _outermost([block for _, block in _entries(model) if next(block.children(), None) is not None])
+    outer = recomputed_blocks(model)
 
     def recomputed(forward: Any, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)

@@ -382,6 +382,7 @@ class TrainConfig:
     requeue: bool = True
     log_every: int = 0
     on_nonfinite: str = "stop"  # stop | warn at the first NaN/inf loss on any rank
+    memory_check: bool = True  # hvdkit.preflight: refuse before step 1 a run whose ranks cannot fit
     precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast; fp16 with a gradient scaler)
     asha_dir: str | None = None  # a sweep's ASHA directory: judge this trial at each rung
     asha_trial: int | None = None

@@ -33,6 +33,7 @@ __all__ = [
     "find_free_port",
     "check_network_interface",
     "usable_cores",
+    "slurm_job_memory",
 ]
 
 
@@ -40,6 +41,23 @@ def usable_cores() -> int:
     """The CPUs this process may run on (its affinity mask: Slurm's --cpus-per-task, taskset),
     which is what torch's threads should be sized from, not the machine's total."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def slurm_job_memory(environ: Mapping[str, str] | None = None) -> int | None:
+    """The memory a Slurm job may use on this node, in bytes (``--mem``: ``SLURM_MEM_PER_NODE``;
+    ``--mem-per-cpu``: ``SLURM_MEM_PER_CPU`` times ``SLURM_CPUS_ON_NODE``; both in MiB), shared by
+    the job's tasks on the node. None outside a job, or where the job asked for none."""
+    env = os.environ if environ is None else environ
+    try:
+        if env.get("SLURM_MEM_PER_NODE"):
+            mib = int(env["SLURM_MEM_PER_NODE"])
+        elif env.get("SLURM_MEM_PER_CPU") and env.get("SLURM_CPUS_ON_NODE"):
+            mib = int(env["SLURM_MEM_PER_CPU"]) * int(env["SLURM_CPUS_ON_NODE"])
+        else:
+            return None
+    except ValueError:
+        return None  # not Slurm's numbers: no limit known, rather than a wrong one
+    return mib << 20 if mib > 0 else None  # --mem=0: all of the node's memory
 
 
 def find_free_port(host: str = "") -> int:

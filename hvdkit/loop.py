@@ -35,6 +35,7 @@ from . import state as states_mod
 from .advice import WAIT_SHARE, advise
 from .asha import AshaTrial
 from .backends import Backend, create_backend
+from .backends.footprint import ModelSizes, model_sizes
 from .checkpoint import CheckpointManager
 from .config import TrainConfig
 from .data import SampleSeeded, ShardSampler, all_labels, open_datasets, per_rank_batch_size, unwrap_dataset
@@ -54,6 +55,7 @@ from .optim import make_optimizer
 from .position import LoopPosition, RunningLoss
 from .precision import autocast, lowp_support, make_scaler
 from .preemption import Preempted, Preemption
+from .preflight import activation_meter, current_rss, preflight
 from .profiling import step_profiler
 from .samplelog import SampleLog
 from .schedule import LrPlan, warmup_factor
@@ -261,6 +263,7 @@ class _Run:
     watch: NonFiniteWatch
     samples: SampleLog | None
     built_rss: int  # peak RSS once the model was built and wrapped (memory.rank_memory)
+    sizes: ModelSizes  # the model's sizes, whole (hvdkit.preflight)
     observers: Observers
     progress: LoopPosition = field(default_factory=LoopPosition)
     loss: RunningLoss = field(init=False)  # the epoch's running loss (over self.progress)
@@ -383,6 +386,9 @@ def _set_up(cfg: TrainConfig, backend: Backend, log: Callable[[str], None], resu
     task = make_task(cfg.task)
     plan = LrPlan(kind=cfg.lr_schedule, min_ratio=cfg.min_lr_ratio, gamma=cfg.lr_gamma)
     optimizer = make_optimizer(cfg, model, cfg.lr)
+    # whole, before a strategy shards them: the memory preflight's sizes (ZeRO's plan at this size)
+    sizes = model_sizes(model, [p for g in optimizer.param_groups for p in g["params"]], backend.size,
+                        cfg.backend.bucket_cap_mb)
     model, optimizer = backend.wrap(model, optimizer, init=built.init)
     built_rss = peak_rss()
     if backend.is_master and (built.declared or cfg.backend.shard == "full"):  # where the path matters
@@ -401,7 +407,7 @@ def _set_up(cfg: TrainConfig, backend: Backend, log: Callable[[str], None], resu
                 val_data=val_data, task=task, model=model, optimizer=optimizer, scheduler=scheduler,
                 scaler=make_scaler(cfg.precision, backend.device),  # fp16 only; checkpointed
                 ckpt=ckpt, watch=NonFiniteWatch(backend, cfg.on_nonfinite), samples=samples,
-                observers=Observers(cfg, backend.is_master), built_rss=built_rss)
+                observers=Observers(cfg, backend.is_master), built_rss=built_rss, sizes=sizes)
 
 
 def _check_data(run: _Run) -> None:
@@ -412,6 +418,9 @@ def _check_data(run: _Run) -> None:
     gradients: nothing the check does changes the run.
     """
     plain = run.backend.strategy.eval_module(run.model)
+    checked = run.cfg.memory_check and not run.cfg.elastic  # elastic: a newcomer checks alone, mid-run
+    runtime = current_rss()  # before the first batch: torch, the data, the model as this rank holds it
+    meter = activation_meter(run.cfg, plain)
     problems = []
     for name, data in (("training", unwrap_dataset(run.train_data)), ("validation", run.val_data)):
         if data is None:
@@ -420,8 +429,9 @@ def _check_data(run: _Run) -> None:
             batch = next(iter(DataLoader(data, batch_size=min(run.geo.batch, len(data)))))  # type: ignore[arg-type]
             was = plain.training
             plain.eval()
-            try:
-                with torch.no_grad(), autocast(run.cfg.precision, run.backend.device):
+            try:  # the training batch's activations are counted for the memory preflight
+                with torch.no_grad(), autocast(run.cfg.precision, run.backend.device), \
+                        meter.counting() if name == "training" and checked else contextlib.nullcontext():
                     facts = run.task.check(plain, to_device(batch, run.backend.device))
             finally:
                 plain.train(was)
@@ -450,6 +460,10 @@ def _check_data(run: _Run) -> None:
         err = HvdkitError(message, hint or None)
         err.echo = run.master or run.cfg.elastic
         raise err
+    if checked:
+        params, _, _ = run.backend.strategy.held(run.model, run.optimizer)
+        preflight(run.cfg, run.backend, run.sizes, sum(p.numel() * p.element_size() for p in params), runtime,
+                  meter.bytes)
 
 
 def _enter(run: _Run) -> None:

@@ -206,12 +206,15 @@ def _budget_job(tmp_path, name: str, shard: str, budget: int) -> tuple[str, str,
 @pytest.mark.skipif(not os.access(CGROUP, os.W_OK), reason="no writable cgroup-v1 memory controller here")
 def test_a_model_over_one_ranks_memory_budget_trains_when_fully_sharded_over_four_ranks(tmp_path):
     """Each rank may use 800 MB. Unsharded, the model's state alone (672 MB) on top of torch's
-    ~330 MB does not fit, and the kernel's OOM killer ends the job; FSDP2 over 4 ranks on 2
-    nodes holds a quarter of it and trains."""
+    runtime does not fit: the memory preflight refuses it before step 1, in one line that names
+    --shard full (before the preflight, the kernel's OOM killer ended this job); FSDP2 over 4 ranks
+    on 2 nodes holds a quarter of it and trains."""
     budget = 800 * 2**20
     state, log, figures = _budget_job(tmp_path, "whole", "none", budget)
-    assert state in ("FAILED", "OUT_OF_MEMORY"), (state, log[-2000:])
-    assert any(f["oom_kill"] > 0 for f in figures), (figures, log[-2000:])  # the budget ended it
+    assert state == "FAILED", (state, log[-2000:])
+    said = [line for line in log.splitlines() if "a rank needs ~" in line]
+    assert len(said) == 1 and "under --shard none" in said[0] and "HINT: use --shard" in said[0], log[-2000:]
+    assert all(f["oom_kill"] == 0 for f in figures), (figures, log[-2000:])  # refused, not killed
     state, log, figures = _budget_job(tmp_path, "sharded", "full", budget)
     assert state == "COMPLETED", (state, log[-3000:])
     assert len(figures) == 4 and all(f["oom_kill"] == 0 and f["max_usage"] < budget for f in figures), figures

@@ -243,6 +243,10 @@ def build_train_config(o: dict[str, Any]) -> TrainConfig:
 @_opt("--on-nonfinite", type=click.Choice(NONFINITE_MODES), default=TRAIN["on_nonfinite"],
       help="At the first NaN/inf loss on any rank: stop with an error (no checkpoint of it), "
            "or warn and go on (checkpoints with NaN/inf weights are skipped).")
+@_opt("--memory-check/--no-memory-check", default=TRAIN["memory_check"],
+      help="Before step 1, estimate each rank's peak memory (state by --shard mode, activations measured on the "
+           "first batch) and refuse a run that cannot fit the node, its cgroup or the Slurm job's --mem, naming a "
+           "mode that would.")
 # -- what you see ----------------------------------------------------------------------------
 @_opt("--log-every", type=click.IntRange(min=0), default=TRAIN["log_every"], help="Print the loss every N steps.")
 @_opt("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),

@@ -1,0 +1,121 @@
+"""What one rank holds under each sharding mode, in bytes, from a model's sizes alone: the one
+place that knows it (the memory preflight, :mod:`hvdkit.preflight`, asks it for every mode to
+name one that fits).
+
+Per rank, at ``N`` ranks, for ``P`` bytes of parameters (``T`` of them trainable) and an
+optimizer that keeps ``r`` bytes of state per trainable byte (AdamW: 2):
+
+=========== ============ =========== ============ ===================================================
+mode        parameters   gradients   optimizer    in flight
+=========== ============ =========== ============ ===================================================
+none        P            T           r*T          Horovod: MAX_IN_FLIGHT buckets and the one being
+                                                  filled (its reducer's flat copies); DDP: none (its
+                                                  buckets are the gradients themselves)
+optimizer   P            G           r*T/N        MAX_IN_FLIGHT+1 buckets' flat buffers (backward), or
+                                                  MAX_IN_FLIGHT all-gathers' (after the step)
+full        P/N          T/N         r*T/N        two units whole (the one running, the prefetched
+                                                  one) and two units' whole gradients
+=========== ============ =========== ============ ===================================================
+
+``G``: what ZeRO's plan (:func:`~hvdkit.backends.zero.plan_owned`, at this world size) makes
+each rank receive and keep until the step: its padded segment of each scattered bucket (about
+T/N, but a bucket of one large parameter pads every rank's segment to that whole parameter),
+and the whole of each allreduced bucket.
+
+These are the strategies' own rules (``buckets.MAX_IN_FLIGHT``, ZeRO's plan, ZeRO-3's and FSDP2's
+prefetch of one unit), not fitted numbers. Left out: what the allocator keeps of freed memory and
+the collectives' own buffers (gloo, Horovod's fusion buffer), which is why the preflight refuses
+only what its estimate says cannot fit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..blocks import shard_units
+from .buckets import MAX_IN_FLIGHT
+from .zero import plan_owned
+
+__all__ = ["ModelSizes", "Needs", "model_sizes", "needs"]
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """A model's sizes, whole, in bytes (a meta-built model's too: only shapes are read)."""
+
+    params: int          # every parameter (a tied one once)
+    trainable: int       # those that require a gradient
+    largest_unit: int    # the largest unit --shard full gathers whole (a block, or the root's rest)
+    largest_tensor: int  # what a checkpoint's writer holds at once (hvdkit.checkpoint streams)
+    zero_grads: int = 0  # --shard optimizer: the reduced gradients a rank receives (ZeRO's plan)
+    zero_flat: int = 0   # --shard optimizer: its largest bucket's buffers in flight (a flat and its result)
+
+
+@dataclass(frozen=True)
+class Needs:
+    """One rank's bytes under one mode, by part."""
+
+    params: int
+    grads: int
+    optimizer: int
+    in_flight: int
+
+    @property
+    def state(self) -> int:
+        """Everything but what is in flight: what lives between steps, gradients included."""
+        return self.params + self.grads + self.optimizer
+
+
+def _bytes(params: Sequence[torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def model_sizes(model: nn.Module, optimized: Sequence[torch.Tensor] = (), world: int = 1,
+                bucket_cap_mb: float = 25.0) -> ModelSizes:
+    """The sizes of ``model`` as built (whole, before any strategy wraps it), with the units
+    ``--shard full`` would make of it (:func:`hvdkit.blocks.shard_units`, the root taking the
+    rest) and, for ``--shard optimizer`` at ``world`` ranks, ZeRO's plan of ``optimized`` (the
+    optimizer's parameters in its groups' order)."""
+    params = list(model.parameters())  # each shared parameter once
+    seen: set[int] = set()
+    units = []
+    for module in [*shard_units(model), model]:
+        own = [p for p in module.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        units.append(_bytes(own))
+    zero_grads = zero_flat = 0
+    if optimized and world > 1:
+        _, buckets, _ = plan_owned(optimized, bucket_cap_mb, world)
+        for b in buckets:
+            size = optimized[b.params[0]].element_size()
+            whole = sum(optimized[i].numel() for i in b.params) * size
+            zero_grads += b.width * size if b.scatter else whole
+            zero_flat = max(zero_flat, (world + 1) * b.width * size if b.scatter else whole)
+    return ModelSizes(params=_bytes(params), trainable=_bytes([p for p in params if p.requires_grad]),
+                      largest_unit=max(units), largest_tensor=max((_bytes([p]) for p in params), default=0),
+                      zero_grads=zero_grads, zero_flat=zero_flat)
+
+
+# --shard none: the buckets a backend's replicated reducer holds beside the gradients
+_REPLICATED_BUCKETS = {"horovod": MAX_IN_FLIGHT + 1, "ddp": 0}  # DDP: gradient_as_bucket_view
+
+
+def needs(mode: str, sizes: ModelSizes, world: int, optimizer_ratio: float, bucket_bytes: int,
+          backend: str = "ddp") -> Needs:
+    """One rank's parts under ``mode`` (``none``, ``optimizer``, ``full``) at ``world`` ranks of ``backend``."""
+    T = sizes.trainable
+    if mode == "none":
+        return Needs(sizes.params, T, math.ceil(optimizer_ratio * T),
+                     _REPLICATED_BUCKETS.get(backend, 0) * bucket_bytes)
+    if mode == "optimizer":
+        return Needs(sizes.params, sizes.zero_grads or math.ceil(T / world), math.ceil(optimizer_ratio * T / world),
+                     (MAX_IN_FLIGHT + 1) * max(sizes.zero_flat, bucket_bytes))
+    if mode == "full":
+        return Needs(math.ceil(sizes.params / world), math.ceil(T / world), math.ceil(optimizer_ratio * T / world),
+                     4 * sizes.largest_unit)
+    raise ValueError(f"unknown sharding mode {mode!r}")

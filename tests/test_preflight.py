@@ -1,0 +1,202 @@
+"""The memory preflight (issue #43): each part of the estimate on its own, in one process, and
+real 2-rank runs under a per-rank memory cgroup: a mode that cannot fit is refused before step 1
+in one line that names one that fits, and the mode it names trains under the same budget."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import ROOT, base_env, wait_until
+from hvdkit.backends.buckets import MAX_IN_FLIGHT
+from hvdkit.backends.footprint import ModelSizes, model_sizes, needs
+from hvdkit.config import TrainConfig
+from hvdkit.environments import slurm_job_memory
+from hvdkit.preflight import ActivationMeter, _cgroup_limit, memory_limits, optimizer_ratio, peak
+
+
+def test_each_mode_holds_its_share_of_the_state_and_its_own_in_flight_buffers():
+    sizes = ModelSizes(params=4000, trainable=3000, largest_unit=500, largest_tensor=400, zero_grads=900, zero_flat=150)
+    none, opt, full = (needs(m, sizes, 4, 2.0, 100) for m in ("none", "optimizer", "full"))
+    assert (none.params, none.grads, none.optimizer, none.in_flight) == (4000, 3000, 6000, 0)  # DDP: bucket views
+    assert needs("none", sizes, 4, 2.0, 100, "horovod").in_flight == (MAX_IN_FLIGHT + 1) * 100  # its flat copies
+    assert (opt.params, opt.grads, opt.optimizer, opt.in_flight) == (4000, 900, 1500, (MAX_IN_FLIGHT + 1) * 150)
+    assert (full.params, full.grads, full.optimizer, full.in_flight) == (1000, 750, 1500, 2000)
+    # a save holds no gradients but its buffer; training holds activations
+    assert peak(none, 10, 5, 0) == 10 + 4000 + 3000 + 6000 + 5
+    assert peak(none, 10, 5, 50_000) == 10 + 4000 + 6000 + 50_000
+    with pytest.raises(ValueError):
+        needs("both", sizes, 4, 2.0, 100)
+
+
+class _Tied(nn.Module):
+    """A GPT's shape: embedding and head tied (the root's), blocks of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(4000, 64)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 64))
+                                    for _ in range(3))
+        self.head = nn.Linear(64, 4000, bias=False)
+        self.head.weight = self.embed.weight
+        self.norm = nn.LayerNorm(64)
+        self.norm.weight.requires_grad_(False)
+
+
+def test_sizes_count_a_tied_parameter_once_and_the_root_as_the_unit_that_keeps_it():
+    with torch.device("meta"):  # shapes only: a meta-built model is sized the same
+        model = _Tied()
+    sizes = model_sizes(model)
+    block = (64 * 1024 + 1024 + 1024 * 64 + 64) * 4
+    root = (4000 * 64 + 64 + 64) * 4
+    assert sizes.params == 3 * block + root
+    assert sizes.trainable == sizes.params - 64 * 4  # the frozen norm weight
+    assert sizes.largest_unit == root and sizes.largest_tensor == 4000 * 64 * 4
+
+
+def test_zero_s_plan_decides_what_a_rank_receives_under_shard_optimizer():
+    """Small parameters share buckets, split between owners: each rank receives about half. A
+    parameter over the bucket cap is alone in its bucket, and each rank's segment is padded to
+    the widest, that parameter: each rank receives all of it (ZeRO's layout, measured here)."""
+    small = nn.Sequential(*[nn.Linear(256, 256) for _ in range(16)])  # 16 x 257 KiB, one 4 MiB bucket
+    params = list(small.parameters())
+    sizes = model_sizes(small, params, world=2, bucket_cap_mb=25)
+    assert sizes.zero_grads == pytest.approx(sizes.trainable / 2, rel=0.02)
+    big = nn.Sequential(nn.Linear(2048, 2048, bias=False), nn.Linear(2048, 2048, bias=False))  # 16 MiB each
+    sizes = model_sizes(big, list(big.parameters()), world=2, bucket_cap_mb=8)
+    assert sizes.zero_grads == sizes.trainable and sizes.zero_flat == 3 * 2048 * 2048 * 4
+
+
+@pytest.mark.parametrize("optimizer, args, ratio", [
+    ("adamw", {}, 2.0), ("sgd", {"momentum": 0.9}, 1.0), ("sgd", {"momentum": 0.0}, 0.0),
+])
+def test_the_optimizer_s_bytes_per_parameter_are_measured_by_stepping_it(optimizer, args, ratio):
+    cfg = TrainConfig(optimizer=optimizer, **args)
+    assert optimizer_ratio(cfg) == pytest.approx(ratio, abs=0.01)  # Adam's step counter: a few bytes
+
+
+def test_an_optimizer_that_cannot_step_a_plain_parameter_gives_no_estimate():
+    cfg = TrainConfig(optimizer="torch.optim:LBFGS")  # needs a closure
+    assert optimizer_ratio(cfg) is None
+
+
+def test_activations_are_each_leaf_s_output_once_and_recomputed_blocks_keep_only_their_inputs():
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(16, 64), nn.ReLU(inplace=True), nn.Linear(64, 16)) for _ in range(3)]
+    model = nn.Sequential(nn.Linear(8, 16), *blocks, nn.Linear(16, 2))
+    x = torch.randn(10, 8)
+    meter = ActivationMeter(model, [])
+    with torch.no_grad(), meter.counting():
+        model(x)
+    f = 4 * 10  # bytes of one float per sample
+    # the first Linear, each block's two Linears (the in-place ReLU shares its input's storage), the head
+    assert meter.bytes == f * (16 + 3 * (64 + 16) + 2)
+    recomputed = ActivationMeter(model, list(blocks))
+    with torch.no_grad(), recomputed.counting():
+        model(x)
+    assert recomputed.bytes == f * (16 + 2) + 3 * f * 16 + f * (64 + 16)  # outputs kept; one block's insides
+    assert not model._forward_hooks and not blocks[0][0]._forward_hooks  # the hooks are gone
+
+
+def test_the_tightest_cgroup_limit_up_the_path_is_the_one_that_binds(tmp_path):
+    proc = tmp_path / "cgroup"
+    proc.write_text("5:devices:/\n4:memory:/job/step/task0\n0::/\n")
+    root = tmp_path / "fs"
+    for path, limit in (("", "9223372036854771712"), ("job", str(3 << 30)), ("job/step", str(5 << 30)),
+                        ("job/step/task0", "9223372036854771712")):
+        (root / "memory" / path).mkdir(parents=True, exist_ok=True)
+        (root / "memory" / path / "memory.limit_in_bytes").write_text(limit + "\n")
+    assert _cgroup_limit(proc, root) == ("/job", 3 << 30)
+    v2 = tmp_path / "v2"
+    (v2 / "a" / "b").mkdir(parents=True)
+    (v2 / "cgroup.controllers").write_text("memory\n")
+    (v2 / "a" / "memory.max").write_text("max\n")
+    (v2 / "a" / "b" / "memory.max").write_text(f"{1 << 30}\n")
+    proc.write_text("0::/a/b\n")
+    assert _cgroup_limit(proc, v2) == ("/a/b", 1 << 30)
+    (v2 / "a" / "b" / "memory.max").write_text("max\n")
+    assert _cgroup_limit(proc, v2) is None
+
+
+def test_the_slurm_job_s_memory_is_its_mem_or_mem_per_cpu_times_its_cpus():
+    assert slurm_job_memory({"SLURM_MEM_PER_NODE": "4096"}) == 4 << 30
+    assert slurm_job_memory({"SLURM_MEM_PER_CPU": "1000", "SLURM_CPUS_ON_NODE": "4"}) == 4000 << 20
+    assert slurm_job_memory({"SLURM_MEM_PER_NODE": "0"}) is None  # --mem=0: the whole node
+    assert slurm_job_memory({}) is None and slurm_job_memory({"SLURM_MEM_PER_NODE": "4G"}) is None
+
+
+def test_the_limits_are_the_node_the_cgroup_and_the_job_each_keyed_by_who_shares_it():
+    with mock.patch.dict(os.environ, {"SLURM_MEM_PER_NODE": "2048", "SLURM_JOB_ID": "77"}):
+        limits = {limit.key.split(":")[0]: limit for limit in memory_limits("nodeA")}
+    assert limits["node"].key == "node:nodeA" and limits["node"].bytes > 1 << 30
+    assert limits["slurm"].key == "slurm:nodeA:77" and limits["slurm"].bytes == 2 << 30
+
+
+# -- real runs under a memory cgroup per rank ---------------------------------------------------
+
+USER = ROOT / "tests" / "userland" / "userland.py"
+CGROUP = Path("/sys/fs/cgroup/memory")
+BUDGET = 1350 * 2**20
+WIDTH = 2896  # wide_mlp(2896, 10): 84M parameters; AdamW: ~1.6 GiB a rank replicated, ~1.1 GiB sharded
+
+
+def _budgeted(tmp_path: Path, backend: str, *train: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """Two ranks of hvdkit train on the wide MLP, each in a memory cgroup of BUDGET bytes."""
+    tag = uuid.uuid4().hex[:8]
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hvdkit", "run", "-np", "2", "--launcher", "mpirun", "--backend", backend,
+         "--log-dir", str(tmp_path / "logs"), "--", str(ROOT / "tests" / "workers" / "memory_budget.sh"), str(BUDGET),
+         sys.executable, "-m", "hvdkit", "train", "--backend", backend, "--model", f"{USER}:wide_mlp",
+         "--model-arg", f"width={WIDTH}", "--dataset", f"{USER}:vectors", "--dataset-arg", f"width={WIDTH}",
+         "--dataset-arg", "samples=32", "--batch-size", "4", "--optimizer", "adamw", "--lr", "1e-4", "--epochs", "1",
+         "--log-every", "1", *train],
+        env=base_env(HVDKIT_BUDGET_TAG=tag, MALLOC_MMAP_THRESHOLD_="131072"), capture_output=True, text=True,
+        timeout=600)
+    figures = []
+    for cg in sorted(CGROUP.glob(f"hvdkit-budget-{tag}-*")):
+        oom = dict(line.split() for line in (cg / "memory.oom_control").read_text().splitlines())
+        figures.append({"peak": int((cg / "memory.max_usage_in_bytes").read_text()),
+                        "oom_kill": int(oom.get("oom_kill", 0))})
+        wait_until(lambda cg=cg: not (cg / "cgroup.procs").read_text().strip(), 60, f"{cg.name} to empty")
+        cg.rmdir()
+    return proc, figures
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not os.access(CGROUP, os.W_OK), reason="no writable cgroup-v1 memory controller here")
+@pytest.mark.parametrize("backend", ["horovod", "ddp"])
+def test_a_mode_that_cannot_fit_the_budget_is_refused_before_step_1_naming_one_that_trains_under_it(
+        tmp_path, backend):
+    refused, _ = _budgeted(tmp_path, backend)
+    lines = [line for line in refused.stderr.strip().splitlines() if "hvdkit train" not in line and line.strip()]
+    said = [line for line in lines if "needs ~" in line]
+    assert refused.returncode != 0 and len(said) == 1, refused.stdout[-2000:] + refused.stderr[-3000:]
+    assert "under --shard none" in said[0] and "memory cgroup" in said[0], said[0]
+    assert "step 1 " not in refused.stdout, refused.stdout  # before any step
+    named = re.search(r"HINT: use --shard (\w+)", said[0])
+    assert named, said[0]
+    fits, figures = _budgeted(tmp_path, backend, "--shard", named.group(1))
+    assert fits.returncode == 0, fits.stdout[-2000:] + fits.stderr[-3000:]
+    assert "it fits" in fits.stderr and "step 4 " in fits.stdout, fits.stderr[-2000:]
+    assert len(figures) == 2 and all(f["oom_kill"] == 0 and f["peak"] < BUDGET for f in figures), figures
+    print(f"{backend}: {said[0]}\n  --shard {named.group(1)}: cgroup peaks {[f['peak'] >> 20 for f in figures]} MiB")
+
+
+@pytest.mark.mp
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not os.access(CGROUP, os.W_OK), reason="no writable cgroup-v1 memory controller here")
+def test_the_refused_mode_really_does_not_fit_the_budget(tmp_path):
+    """The refusal was right: without the check, the same run is ended by the budget (its OOM killer)."""
+    run, figures = _budgeted(tmp_path, "ddp", "--no-memory-check")
+    assert run.returncode != 0 and any(f["oom_kill"] > 0 for f in figures), (figures, run.stderr[-2000:])
