@@ -80,7 +80,7 @@ fi
 PYTAG="$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
 # Patches applied to the sdist; part of the cache key and recorded in the venv, so a
 # change here rebuilds once and an older build is never mistaken for this one.
-HOROVOD_PATCHES="cxx17+gloo-iface+wait-cv+gloo-backoff+elastic-slots2"
+HOROVOD_PATCHES="cxx17+gloo-iface+wait-cv+gloo-backoff+elastic-slots2+check-cache"
 # CPU key unchanged; a CUDA build adds -cu<major>-sm<archs> (PLAN_CACHE_SUFFIX)
 WHEEL_DIR="$CACHE/wheels/horovod-$HOROVOD_VERSION-$HOROVOD_PATCHES-torch$TORCH_VERSION-$PYTAG$PLAN_CACHE_SUFFIX"
 PATCH_MARK="$VENV/.hvdkit-horovod-patches"
