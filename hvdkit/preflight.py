@@ -46,6 +46,7 @@ from .blocks import recomputed_blocks
 from .config import SHARD_MODES, TrainConfig
 from .environments import slurm_job_memory
 from .errors import ConfigError
+from .h5tree import tree_leaves
 from .log import diag
 
 if TYPE_CHECKING:
@@ -213,14 +214,7 @@ class ActivationMeter:
 
 
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (list, tuple)):
-        for item in tree:
-            yield from _tensors(item)
-    elif isinstance(tree, dict):
-        for item in tree.values():
-            yield from _tensors(item)
+    return (t for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
 def activation_meter(cfg: TrainConfig, model: nn.Module) -> ActivationMeter:

@@ -315,6 +315,35 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
         time.sleep(0.05)
 
 
+MEMORY_CGROUPS = Path("/sys/fs/cgroup/memory")  # cgroup v1's memory controller, where tests budget ranks
+
+
+def run_in_budgets(tmp_path: Path, np: int, backend: str, budget: int,
+                   train: Sequence[str]) -> tuple[subprocess.CompletedProcess, list[dict[str, int]]]:
+    """'hvdkit run -np NP --launcher mpirun' of 'hvdkit train --backend BACKEND TRAIN...', each
+    rank in a memory cgroup of its own limited to ``budget`` bytes (tests/workers/memory_budget.sh).
+    Returns the run and every rank's cgroup figures (``peak``, ``oom_kill``); the cgroups are
+    removed once their ranks have left (mpirun ends the others after one failed)."""
+    import uuid
+
+    tag = uuid.uuid4().hex[:8]
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hvdkit", "run", "-np", str(np), "--launcher", "mpirun", "--backend", backend,
+         "--log-dir", str(tmp_path / "logs"), "--", str(ROOT / "tests" / "workers" / "memory_budget.sh"), str(budget),
+         sys.executable, "-m", "hvdkit", "train", "--backend", backend, *train],
+        env=base_env(HVDKIT_BUDGET_TAG=tag, MALLOC_MMAP_THRESHOLD_="131072"),  # freed tensors go back to the kernel
+        capture_output=True, text=True, timeout=600)
+    figures = []
+    for cg in sorted(MEMORY_CGROUPS.glob(f"hvdkit-budget-{tag}-*")):
+        oom = dict(line.split() for line in (cg / "memory.oom_control").read_text().splitlines())
+        figures.append({"peak": int((cg / "memory.max_usage_in_bytes").read_text()),
+                        "oom_kill": int(oom.get("oom_kill", 0))})
+        wait_until(lambda cg=cg: not (cg / "cgroup.procs").read_text().strip(), 60, f"{cg.name} to empty")
+        cg.rmdir()
+    return proc, figures
+
+
 def wait_for_text(path: Path, text: str, job: str, timeout: float = 120) -> None:
     """Wait until ``text`` appears in ``path`` while ``job`` has not ended.
 

@@ -8,15 +8,14 @@ import os
 import re
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, base_env, wait_until
+from helpers import MEMORY_CGROUPS as CGROUP
+from helpers import ROOT, base_env, run_in_budgets
 
 USER = ROOT / "tests" / "userland" / "userland.py"
-CGROUP = Path("/sys/fs/cgroup/memory")
 BUDGET = 760 * 2**20
 WIDTH = 1152  # wide_mlp(1152, 10): 13.3M parameters, 53 MB; AdamW's training state 213 MB
 
@@ -24,25 +23,9 @@ WIDTH = 1152  # wide_mlp(1152, 10): 13.3M parameters, 53 MB; AdamW's training st
 def _budgeted(tmp_path: Path, np: int, backend: str, *train: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """'hvdkit run -np NP' of hvdkit train on the wide MLP, each rank in a cgroup of BUDGET bytes;
     returns the run and every rank's cgroup figures (peak, OOM kills)."""
-    tag = uuid.uuid4().hex[:8]
-    (tmp_path / "logs").mkdir(exist_ok=True)
-    proc = subprocess.run(
-        [sys.executable, "-m", "hvdkit", "run", "-np", str(np), "--launcher", "mpirun", "--backend", backend,
-         "--log-dir", str(tmp_path / "logs"), "--", str(ROOT / "tests" / "workers" / "memory_budget.sh"), str(BUDGET),
-         sys.executable, "-m", "hvdkit", "train", "--backend", backend, "--model", f"{USER}:wide_mlp",
-         "--model-arg", f"width={WIDTH}", "--dataset", f"{USER}:vectors", "--dataset-arg", f"width={WIDTH}",
-         "--batch-size", "4", "--optimizer", "adamw", "--lr", "1e-4", *train],
-        env=base_env(HVDKIT_BUDGET_TAG=tag, MALLOC_MMAP_THRESHOLD_="131072"), capture_output=True, text=True,
-        timeout=600)
-    figures = []
-    for cg in sorted(CGROUP.glob(f"hvdkit-budget-{tag}-*")):
-        oom = dict(line.split() for line in (cg / "memory.oom_control").read_text().splitlines())
-        figures.append({"peak": int((cg / "memory.max_usage_in_bytes").read_text()),
-                        "oom_kill": int(oom.get("oom_kill", 0))})
-        # its rank may still be on its way out (mpirun ends the others after one failed)
-        wait_until(lambda cg=cg: not (cg / "cgroup.procs").read_text().strip(), 60, f"{cg.name} to empty")
-        cg.rmdir()
-    return proc, figures
+    return run_in_budgets(tmp_path, np, backend, BUDGET, [
+        "--model", f"{USER}:wide_mlp", "--model-arg", f"width={WIDTH}", "--dataset", f"{USER}:vectors",
+        "--dataset-arg", f"width={WIDTH}", "--batch-size", "4", "--optimizer", "adamw", "--lr", "1e-4", *train])
 
 
 def _digest(out: str) -> str:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
-import uuid
 from pathlib import Path
 from unittest import mock
 
@@ -16,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import ROOT, base_env, wait_until
+from helpers import MEMORY_CGROUPS as CGROUP
+from helpers import ROOT, run_in_budgets
 from hvdkit.backends.buckets import MAX_IN_FLIGHT
 from hvdkit.backends.footprint import ModelSizes, model_sizes, needs
 from hvdkit.config import TrainConfig
@@ -144,32 +143,16 @@ def test_the_limits_are_the_node_the_cgroup_and_the_job_each_keyed_by_who_shares
 # -- real runs under a memory cgroup per rank ---------------------------------------------------
 
 USER = ROOT / "tests" / "userland" / "userland.py"
-CGROUP = Path("/sys/fs/cgroup/memory")
 BUDGET = 1350 * 2**20
 WIDTH = 2896  # wide_mlp(2896, 10): 84M parameters; AdamW: ~1.6 GiB a rank replicated, ~1.1 GiB sharded
 
 
 def _budgeted(tmp_path: Path, backend: str, *train: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """Two ranks of hvdkit train on the wide MLP, each in a memory cgroup of BUDGET bytes."""
-    tag = uuid.uuid4().hex[:8]
-    (tmp_path / "logs").mkdir(exist_ok=True)
-    proc = subprocess.run(
-        [sys.executable, "-m", "hvdkit", "run", "-np", "2", "--launcher", "mpirun", "--backend", backend,
-         "--log-dir", str(tmp_path / "logs"), "--", str(ROOT / "tests" / "workers" / "memory_budget.sh"), str(BUDGET),
-         sys.executable, "-m", "hvdkit", "train", "--backend", backend, "--model", f"{USER}:wide_mlp",
-         "--model-arg", f"width={WIDTH}", "--dataset", f"{USER}:vectors", "--dataset-arg", f"width={WIDTH}",
-         "--dataset-arg", "samples=32", "--batch-size", "4", "--optimizer", "adamw", "--lr", "1e-4", "--epochs", "1",
-         "--log-every", "1", *train],
-        env=base_env(HVDKIT_BUDGET_TAG=tag, MALLOC_MMAP_THRESHOLD_="131072"), capture_output=True, text=True,
-        timeout=600)
-    figures = []
-    for cg in sorted(CGROUP.glob(f"hvdkit-budget-{tag}-*")):
-        oom = dict(line.split() for line in (cg / "memory.oom_control").read_text().splitlines())
-        figures.append({"peak": int((cg / "memory.max_usage_in_bytes").read_text()),
-                        "oom_kill": int(oom.get("oom_kill", 0))})
-        wait_until(lambda cg=cg: not (cg / "cgroup.procs").read_text().strip(), 60, f"{cg.name} to empty")
-        cg.rmdir()
-    return proc, figures
+    return run_in_budgets(tmp_path, 2, backend, BUDGET, [
+        "--model", f"{USER}:wide_mlp", "--model-arg", f"width={WIDTH}", "--dataset", f"{USER}:vectors",
+        "--dataset-arg", f"width={WIDTH}", "--dataset-arg", "samples=32", "--batch-size", "4", "--optimizer", "adamw",
+        "--lr", "1e-4", "--epochs", "1", "--log-every", "1", *train])
 
 
 @pytest.mark.mp
