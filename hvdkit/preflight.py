@@ -23,7 +23,8 @@ What a rank may use: the node's memory (``MemTotal``), its memory cgroup's limit
 tightest up its path), and the Slurm job's ``--mem``, each shared by the ranks that share it (the
 ranks on one host; those in one cgroup). The estimate leaves out what it cannot see (the
 allocator's fragmentation, torch's temporaries), so it refuses only a run whose estimate is over
-a limit; ``--no-memory-check`` skips it.
+a limit, and the mode it names instead is one whose estimate leaves a fifth of the limit free
+where there is one; ``--no-memory-check`` skips it.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ __all__ = ["Limit", "ActivationMeter", "checkpoint_buffer", "current_rss", "memo
            "peak", "preflight"]
 
 MIN_CHECKPOINT_BUFFER = 256 << 20
+NAMED_SHARE = 0.8  # a mode named instead is one whose estimate is at most this share of the limit
 _UNLIMITED = 1 << 60  # a cgroup's "no limit" is a huge number (v1: 2^63 rounded to pages)
 
 
@@ -250,16 +252,27 @@ def _allowed_modes(cfg: TrainConfig, world: int) -> list[str]:
     return allowed
 
 
-def _over(ranks: list[dict[str, Any]], mode: str) -> tuple[float, dict[str, Any], int] | None:
-    """The most over-committed limit under ``mode``: (needed/limit, the limit, ranks sharing it)."""
+def _over(ranks: list[dict[str, Any]], mode: str, share: float = 1.0) -> tuple[float, dict[str, Any], int] | None:
+    """The most over-committed limit under ``mode`` (over ``share`` of it): (needed/limit, the
+    limit, ranks sharing it)."""
     worst = None
     for rank in ranks:
         for what, key, limit in rank["limits"]:
             sharers = [r for r in ranks if any(k == key for _, k, _ in r["limits"])]
             total = sum(r["peaks"][mode] for r in sharers)
-            if total > limit and (worst is None or total / limit > worst[0]):
+            if total > share * limit and (worst is None or total / limit > worst[0]):
                 worst = (total / limit, {"what": what, "bytes": limit, "need": total}, len(sharers))
     return worst
+
+
+def _instead(ranks: list[dict[str, Any]], mode: str, modes: list[str]) -> str | None:
+    """The mode to name instead of ``mode``: the least sharded (``modes`` goes none, optimizer,
+    full) whose estimate leaves room for what it does not see (measured: up to a quarter of the
+    peak), else the one that fits with the most room; None if none fits."""
+    fits = [m for m in modes if m != mode and _over(ranks, m) is None]
+    roomy = [m for m in fits if _over(ranks, m, NAMED_SHARE) is None]
+    ranked = roomy or sorted(fits, key=lambda m: max(r["peaks"][m] for r in ranks))
+    return ranked[0] if ranked else None
 
 
 def preflight(cfg: TrainConfig, backend: Backend, sizes: ModelSizes, held_params: int, runtime: int,
@@ -295,12 +308,11 @@ def preflight(cfg: TrainConfig, backend: Backend, sizes: ModelSizes, held_params
             diag(f"memory: a rank needs ~{_size(top)} at most under --shard {mode} ({said}); it fits")
         return
     _, limit, sharers = worst
-    fits = [m for m in modes if m != mode and _over(ranks, m) is None]
+    best = _instead(ranks, mode, modes)
     share = f"for its {sharers} ranks" if sharers > 1 else "for it"
     message = (f"a rank needs ~{_size(top)} under --shard {mode} ({said}), and the {limit['what']} has "
                f"{_size(limit['bytes'])} {share}")
-    if fits:
-        best = fits[0]  # the least sharded: SHARD_MODES goes none, optimizer, full
+    if best is not None:
         message += f"; --shard {best} needs ~{_size(max(r['peaks'][best] for r in ranks))}"
         hint = f"use --shard {best}"
     else:

@@ -20,7 +20,7 @@ from hvdkit.backends.buckets import MAX_IN_FLIGHT
 from hvdkit.backends.footprint import ModelSizes, model_sizes, needs
 from hvdkit.config import TrainConfig
 from hvdkit.environments import slurm_job_memory
-from hvdkit.preflight import ActivationMeter, _cgroup_limit, memory_limits, optimizer_ratio, peak
+from hvdkit.preflight import ActivationMeter, _cgroup_limit, _instead, memory_limits, optimizer_ratio, peak
 
 
 def test_each_mode_holds_its_share_of_the_state_and_its_own_in_flight_buffers():
@@ -138,6 +138,21 @@ def test_the_limits_are_the_node_the_cgroup_and_the_job_each_keyed_by_who_shares
         limits = {limit.key.split(":")[0]: limit for limit in memory_limits("nodeA")}
     assert limits["node"].key == "node:nodeA" and limits["node"].bytes > 1 << 30
     assert limits["slurm"].key == "slurm:nodeA:77" and limits["slurm"].bytes == 2 << 30
+
+
+def _ranks(peaks: dict[str, int], hosts: tuple[str, ...] = ("a", "a")) -> list[dict]:
+    return [{"limits": [("node " + h, "node:" + h, 100)], "peaks": peaks} for h in hosts]
+
+
+def test_the_mode_named_instead_is_the_least_sharded_that_leaves_room_for_what_the_estimate_misses():
+    modes = ["none", "optimizer", "full"]
+    # two ranks share a node of 100: optimizer at 2 x 45 fits but leaves under a fifth free
+    assert _instead(_ranks({"none": 70, "optimizer": 45, "full": 30}), "none", modes) == "full"
+    assert _instead(_ranks({"none": 70, "optimizer": 38, "full": 30}), "none", modes) == "optimizer"
+    assert _instead(_ranks({"none": 70, "optimizer": 48, "full": 45}), "none", modes) == "full"  # most room
+    assert _instead(_ranks({"none": 70, "optimizer": 60, "full": 55}), "none", modes) is None
+    # a node of its own each: the same peaks fit
+    assert _instead(_ranks({"none": 90, "optimizer": 45, "full": 30}, ("a", "b")), "none", modes) == "optimizer"
 
 
 # -- real runs under a memory cgroup per rank ---------------------------------------------------
