@@ -48,7 +48,7 @@ from .config import SHARD_MODES, TrainConfig
 from .environments import slurm_job_memory
 from .errors import ConfigError
 from .h5tree import tree_leaves
-from .log import diag
+from .log import debug, diag
 
 if TYPE_CHECKING:
     from .backends.base import Backend
@@ -58,6 +58,7 @@ __all__ = ["Limit", "ActivationMeter", "checkpoint_buffer", "current_rss", "memo
 
 MIN_CHECKPOINT_BUFFER = 256 << 20
 NAMED_SHARE = 0.8  # a mode named instead is one whose estimate is at most this share of the limit
+TIGHT = 0.5  # an estimate that fits is said (not only logged at DEBUG) from this share of a limit
 _UNLIMITED = 1 << 60  # a cgroup's "no limit" is a huge number (v1: 2^63 rounded to pages)
 
 
@@ -280,6 +281,10 @@ def preflight(cfg: TrainConfig, backend: Backend, sizes: ModelSizes, held_params
     """Collective: every rank's estimate and limits, gathered; refuses (every rank, one line from
     rank 0) when this run's mode does not fit, naming the least sharded mode that does. Says
     the estimate in one line where it fits."""
+    if backend.device.type != "cpu":  # the state lives in the device's memory, not the host's
+        if backend.is_master:
+            debug(f"memory: not estimated on {backend.device.type} (the preflight counts host memory)")
+        return
     ratio = optimizer_ratio(cfg)
     bucket = int(cfg.backend.bucket_cap_mb * 2**20)
     world = backend.size
@@ -304,8 +309,11 @@ def preflight(cfg: TrainConfig, backend: Backend, sizes: ModelSizes, held_params
             f"{_size(parts.optimizer)}, in flight {_size(parts.in_flight)}, activations {_size(activations)}, "
             f"runtime {_size(base)}" + (f", checkpoint buffer {_size(checkpoint)}" if checkpoint else ""))
     if worst is None:
-        if backend.is_master:
-            diag(f"memory: a rank needs ~{_size(top)} at most under --shard {mode} ({said}); it fits")
+        if backend.is_master:  # said where it is tight; a small run's console stays as it was
+            load, limit, sharers = _over(ranks, mode, share=0.0) or (0.0, {"what": "nothing"}, 0)
+            (diag if load >= TIGHT else debug)(
+                f"memory: a rank needs ~{_size(top)} at most under --shard {mode} ({said}); it fits, "
+                f"{load:.0%} of the {limit['what']}" + (f" for its {sharers} ranks" if sharers > 1 else ""))
         return
     _, limit, sharers = worst
     best = _instead(ranks, mode, modes)
