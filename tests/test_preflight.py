@@ -24,11 +24,13 @@ from hvdkit.preflight import ActivationMeter, _cgroup_limit, _instead, memory_li
 
 
 def test_each_mode_holds_its_share_of_the_state_and_its_own_in_flight_buffers():
-    sizes = ModelSizes(params=4000, trainable=3000, largest_unit=500, largest_tensor=400, zero_grads=900, zero_flat=150)
+    sizes = ModelSizes(params=4000, trainable=3000, largest_unit=500, largest_tensor=400, zero_grads=900, zero_flat=150,
+                       zero_gather=250)
     none, opt, full = (needs(m, sizes, 4, 2.0, 100) for m in ("none", "optimizer", "full"))
     assert (none.params, none.grads, none.optimizer, none.in_flight) == (4000, 3000, 6000, 0)  # DDP: bucket views
     assert needs("none", sizes, 4, 2.0, 100, "horovod").in_flight == (MAX_IN_FLIGHT + 1) * 100  # its flat copies
-    assert (opt.params, opt.grads, opt.optimizer, opt.in_flight) == (4000, 900, 1500, (MAX_IN_FLIGHT + 1) * 150)
+    assert (opt.params, opt.grads, opt.optimizer, opt.in_flight) == \
+        (4000, 900, 1500, max((MAX_IN_FLIGHT + 1) * 150, MAX_IN_FLIGHT * 250))
     assert (full.params, full.grads, full.optimizer, full.in_flight) == (1000, 750, 1500, 2000)
     # a save holds no gradients but its buffer; training holds activations
     assert peak(none, 10, 5, 0) == 10 + 4000 + 3000 + 6000 + 5
@@ -72,7 +74,8 @@ def test_zero_s_plan_decides_what_a_rank_receives_under_shard_optimizer():
     assert sizes.zero_grads == pytest.approx(sizes.trainable / 2, rel=0.02)
     big = nn.Sequential(nn.Linear(2048, 2048, bias=False), nn.Linear(2048, 2048, bias=False))  # 16 MiB each
     sizes = model_sizes(big, list(big.parameters()), world=2, bucket_cap_mb=8)
-    assert sizes.zero_grads == sizes.trainable and sizes.zero_flat == 3 * 2048 * 2048 * 4
+    assert sizes.zero_grads == sizes.trainable  # each rank's segment padded to the whole parameter
+    assert sizes.zero_flat == 2 * 2048 * 2048 * 4 and sizes.zero_gather == 3 * 2048 * 2048 * 4
 
 
 @pytest.mark.parametrize("optimizer, args, ratio", [

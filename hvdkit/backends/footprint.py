@@ -12,7 +12,8 @@ none        P            T           r*T          Horovod: MAX_IN_FLIGHT buckets
                                                   filled (its reducer's flat copies); DDP: none (its
                                                   buckets are the gradients themselves)
 optimizer   P            G           r*T/N        MAX_IN_FLIGHT+1 buckets' flat buffers (backward), or
-                                                  MAX_IN_FLIGHT all-gathers' (after the step)
+                                                  MAX_IN_FLIGHT all-gathers, each a segment and its
+                                                  result (after the step), whichever is more
 full        P/N          T/N         r*T/N        two units whole (the one running, the prefetched
                                                   one) and two units' whole gradients
 =========== ============ =========== ============ ===================================================
@@ -53,7 +54,8 @@ class ModelSizes:
     largest_unit: int    # the largest unit --shard full gathers whole (a block, or the root's rest)
     largest_tensor: int  # what a checkpoint's writer holds at once (hvdkit.checkpoint streams)
     zero_grads: int = 0  # --shard optimizer: the reduced gradients a rank receives (ZeRO's plan)
-    zero_flat: int = 0   # --shard optimizer: its largest bucket's buffers in flight (a flat and its result)
+    zero_flat: int = 0   # --shard optimizer: its largest flat buffer sent in backward
+    zero_gather: int = 0  # --shard optimizer: its largest all-gather after the step (segment and result)
 
 
 @dataclass(frozen=True)
@@ -88,17 +90,20 @@ def model_sizes(model: nn.Module, optimized: Sequence[torch.Tensor] = (), world:
         own = [p for p in module.parameters() if id(p) not in seen]
         seen.update(id(p) for p in own)
         units.append(_bytes(own))
-    zero_grads = zero_flat = 0
+    zero_grads = zero_flat = zero_gather = 0
     if optimized and world > 1:
         _, buckets, _ = plan_owned(optimized, bucket_cap_mb, world)
         for b in buckets:
             size = optimized[b.params[0]].element_size()
             whole = sum(optimized[i].numel() for i in b.params) * size
             zero_grads += b.width * size if b.scatter else whole
-            zero_flat = max(zero_flat, (world + 1) * b.width * size if b.scatter else whole)
+            # backward: the flat buffer sent (every owner's padded segment, or the bucket whole);
+            # after the step: this rank's segment and the all-gathered buffer (a broadcast is in place)
+            zero_flat = max(zero_flat, world * b.width * size if b.scatter else whole)
+            zero_gather = max(zero_gather, (world + 1) * b.width * size if b.scatter else 0)
     return ModelSizes(params=_bytes(params), trainable=_bytes([p for p in params if p.requires_grad]),
                       largest_unit=max(units), largest_tensor=max((_bytes([p]) for p in params), default=0),
-                      zero_grads=zero_grads, zero_flat=zero_flat)
+                      zero_grads=zero_grads, zero_flat=zero_flat, zero_gather=zero_gather)
 
 
 # --shard none: the buckets a backend's replicated reducer holds beside the gradients
@@ -114,7 +119,7 @@ def needs(mode: str, sizes: ModelSizes, world: int, optimizer_ratio: float, buck
                      _REPLICATED_BUCKETS.get(backend, 0) * bucket_bytes)
     if mode == "optimizer":
         return Needs(sizes.params, sizes.zero_grads or math.ceil(T / world), math.ceil(optimizer_ratio * T / world),
-                     (MAX_IN_FLIGHT + 1) * max(sizes.zero_flat, bucket_bytes))
+                     max((MAX_IN_FLIGHT + 1) * max(sizes.zero_flat, bucket_bytes), MAX_IN_FLIGHT * sizes.zero_gather))
     if mode == "full":
         return Needs(math.ceil(sizes.params / world), math.ceil(T / world), math.ceil(optimizer_ratio * T / world),
                      4 * sizes.largest_unit)
