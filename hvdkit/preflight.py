@@ -13,8 +13,8 @@ A rank's peak under a mode is
   (:mod:`hvdkit.backends.footprint`), the optimizer's bytes per parameter measured by stepping
   it once on a small tensor;
 * **activations**: measured on the first batch (the data check's forward, before any step):
-  every leaf module's output, once per storage; under ``--activation-checkpointing`` only the
-  recomputed blocks' inputs and the largest block's insides;
+  every leaf module's output, except where it is its input's storage (in place, a view); under
+  ``--activation-checkpointing`` only the recomputed blocks' outputs and the largest block's insides;
 * **checkpoint buffer** (with ``--checkpoint-dir``): what a save holds beyond the state,
   max(256 MiB, 2x the largest tensor) (hvdkit's checkpoints stream, issue #42); gradients are
   freed by then.
@@ -24,7 +24,8 @@ tightest up its path), and the Slurm job's ``--mem``, each shared by the ranks t
 ranks on one host; those in one cgroup). The estimate leaves out what it cannot see (the
 allocator's fragmentation, torch's temporaries), so it refuses only a run whose estimate is over
 a limit, and the mode it names instead is one whose estimate leaves a fifth of the limit free
-where there is one; ``--no-memory-check`` skips it.
+where there is one; ``--no-memory-check`` skips it. Not estimated: elastic runs (a newcomer
+checks alone) and GPU runs (the state is in device memory, which this does not count).
 """
 
 from __future__ import annotations
