@@ -35,6 +35,14 @@ GPT = ["--model", f"{ROOT / 'examples' / 'models.py'}:gpt", "--model-arg", "voca
 GIB = 2**30
 
 
+def prepare(out: Path) -> None:
+    """OUT/logs, and the text (the Python standard library's source) as OUT/text/train.h5."""
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    if not (out / "text" / "train.h5").exists():
+        subprocess.run([*HVDKIT, "data", "import-text", str(out / "text"), "--block", "256", "--max-bytes",
+                        "4000000"], check=True, capture_output=True, timeout=600)
+
+
 def run(name: str, out: Path, backend: str, extra: list[str]) -> dict:
     metrics = out / f"{name}.json"
     (out / "logs" / name).mkdir(parents=True, exist_ok=True)
@@ -58,10 +66,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     out = args.out.resolve()
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    if not (out / "text" / "train.h5").exists():
-        subprocess.run([*HVDKIT, "data", "import-text", str(out / "text"), "--block", "256", "--max-bytes",
-                        "4000000"], check=True, capture_output=True, timeout=600)
+    prepare(out)
     mode = ["--shard", args.shard, "--activation-checkpointing"]
     ck = out / "ck"
     subprocess.run(["rm", "-rf", str(ck)], check=True)

@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from billion import GPT, HVDKIT, ROOT  # the same model and command
+from billion import GPT, HVDKIT, ROOT, prepare  # the same model, command and text
 
 GIB = 2**30
 CGROUPS = Path("/sys/fs/cgroup/memory")
@@ -80,10 +80,7 @@ def main() -> None:
     parser.add_argument("--shards", default="none,optimizer,full")
     args = parser.parse_args()
     out = args.out.resolve()
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    if not (out / "text" / "train.h5").exists():
-        subprocess.run([*HVDKIT, "data", "import-text", str(out / "text"), "--block", "256", "--max-bytes",
-                        "4000000"], check=True, capture_output=True, timeout=600)
+    prepare(out)
     budget = node_bytes() // 2
     rows = [one(out, b, s, budget) for b in args.backends.split(",") for s in args.shards.split(",")]
     report = {"machine": platform.node(), "node_bytes": node_bytes(), "budget_per_rank": budget, "rows": rows}
