@@ -46,7 +46,7 @@ from .fileio import write_json_atomic
 from .log import configure as configure_log
 from .log import debug, diag, warn
 from .log import result as result_line
-from .memory import peak_rss, rank_memory
+from .memory import nbytes, peak_rss, rank_memory
 from .metrics import evaluate
 from .models import build_model_lazily
 from .nonfinite import NonFiniteWatch
@@ -55,7 +55,7 @@ from .optim import make_optimizer
 from .position import LoopPosition, RunningLoss
 from .precision import autocast, lowp_support, make_scaler
 from .preemption import Preempted, Preemption
-from .preflight import activation_meter, current_rss, preflight
+from .preflight import activation_meter, current_rss, preflight, wanted
 from .profiling import step_profiler
 from .samplelog import SampleLog
 from .schedule import LrPlan, warmup_factor
@@ -263,7 +263,7 @@ class _Run:
     watch: NonFiniteWatch
     samples: SampleLog | None
     built_rss: int  # peak RSS once the model was built and wrapped (memory.rank_memory)
-    sizes: ModelSizes  # the model's sizes, whole (hvdkit.preflight)
+    sizes: ModelSizes | None  # the model's sizes, whole, where the memory preflight runs (hvdkit.preflight)
     observers: Observers
     progress: LoopPosition = field(default_factory=LoopPosition)
     loss: RunningLoss = field(init=False)  # the epoch's running loss (over self.progress)
@@ -388,7 +388,7 @@ def _set_up(cfg: TrainConfig, backend: Backend, log: Callable[[str], None], resu
     optimizer = make_optimizer(cfg, model, cfg.lr)
     # whole, before a strategy shards them: the memory preflight's sizes (ZeRO's plan at this size)
     sizes = model_sizes(model, [p for g in optimizer.param_groups for p in g["params"]], backend.size,
-                        cfg.backend.bucket_cap_mb)
+                        cfg.backend.bucket_cap_mb) if wanted(cfg) else None
     model, optimizer = backend.wrap(model, optimizer, init=built.init)
     built_rss = peak_rss()
     if backend.is_master and (built.declared or cfg.backend.shard == "full"):  # where the path matters
@@ -418,8 +418,8 @@ def _check_data(run: _Run) -> None:
     gradients: nothing the check does changes the run.
     """
     plain = run.backend.strategy.eval_module(run.model)
-    checked = run.cfg.memory_check and not run.cfg.elastic  # elastic: a newcomer checks alone, mid-run
-    runtime = current_rss()  # before the first batch: torch, the data, the model as this rank holds it
+    checked = run.sizes is not None  # hvdkit.preflight.wanted
+    runtime = current_rss() if checked else 0  # before the first batch: torch, the data, the model as held
     meter = activation_meter(run.cfg, plain)
     problems = []
     for name, data in (("training", unwrap_dataset(run.train_data)), ("validation", run.val_data)):
@@ -460,10 +460,9 @@ def _check_data(run: _Run) -> None:
         err = HvdkitError(message, hint or None)
         err.echo = run.master or run.cfg.elastic
         raise err
-    if checked:
+    if run.sizes is not None:
         params, _, _ = run.backend.strategy.held(run.model, run.optimizer)
-        preflight(run.cfg, run.backend, run.sizes, sum(p.numel() * p.element_size() for p in params), runtime,
-                  meter.bytes)
+        preflight(run.cfg, run.backend, run.sizes, nbytes(params), runtime, meter.bytes)
 
 
 def _enter(run: _Run) -> None:

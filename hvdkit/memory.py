@@ -22,10 +22,11 @@ from torch import nn
 if TYPE_CHECKING:
     from .backends.base import Backend
 
-__all__ = ["rank_memory", "peak_rss"]
+__all__ = ["nbytes", "rank_memory", "peak_rss"]
 
 
-def _nbytes(tensors: Any) -> int:
+def nbytes(tensors: Any) -> int:
+    """Bytes of the tensors among ``tensors``."""
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
@@ -41,5 +42,5 @@ def rank_memory(backend: Backend, model: nn.Module, optimizer: torch.optim.Optim
     ``built_rss``: the peak RSS once the model was built and wrapped, before any step (what
     building it cost: the meta-device path keeps it to this rank's share)."""
     params, trainable, state = backend.strategy.held(model, optimizer)
-    return {"params": _nbytes(params), "grads": _nbytes(trainable),
-            "optimizer_state": _nbytes(state), "peak_rss": peak_rss(), "built_rss": built_rss}
+    return {"params": nbytes(params), "grads": nbytes(trainable),
+            "optimizer_state": nbytes(state), "peak_rss": peak_rss(), "built_rss": built_rss}

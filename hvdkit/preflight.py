@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from .backends.base import Backend
 
 __all__ = ["Limit", "ActivationMeter", "checkpoint_buffer", "current_rss", "memory_limits", "optimizer_ratio",
-           "peak", "preflight"]
+           "peak", "preflight", "wanted"]
 
 MIN_CHECKPOINT_BUFFER = 256 << 20
 NAMED_SHARE = 0.8  # a mode named instead is one whose estimate is at most this share of the limit
@@ -221,6 +221,12 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
     return (t for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
+def wanted(cfg: TrainConfig) -> bool:
+    """Whether a run checks its memory: ``--memory-check``, except elastic runs (a newcomer checks
+    alone, mid-run, with no collective)."""
+    return cfg.memory_check and not cfg.elastic
+
+
 def activation_meter(cfg: TrainConfig, model: nn.Module) -> ActivationMeter:
     """The meter for ``model`` under ``cfg`` (its recomputed blocks where activations are checkpointed)."""
     return ActivationMeter(model, recomputed_blocks(model) if cfg.backend.activation_checkpointing else [])
@@ -257,13 +263,15 @@ def _allowed_modes(cfg: TrainConfig, world: int) -> list[str]:
 def _over(ranks: list[dict[str, Any]], mode: str, share: float = 1.0) -> tuple[float, dict[str, Any], int] | None:
     """The most over-committed limit under ``mode`` (over ``share`` of it): (needed/limit, the
     limit, ranks sharing it)."""
-    worst = None
+    shared: dict[str, tuple[str, int, list[dict[str, Any]]]] = {}  # key -> (what, bytes, its ranks)
     for rank in ranks:
         for what, key, limit in rank["limits"]:
-            sharers = [r for r in ranks if any(k == key for _, k, _ in r["limits"])]
-            total = sum(r["peaks"][mode] for r in sharers)
-            if total > share * limit and (worst is None or total / limit > worst[0]):
-                worst = (total / limit, {"what": what, "bytes": limit, "need": total}, len(sharers))
+            shared.setdefault(key, (what, limit, []))[2].append(rank)
+    worst = None
+    for what, limit, sharers in shared.values():
+        total = sum(r["peaks"][mode] for r in sharers)
+        if total > share * limit and (worst is None or total / limit > worst[0]):
+            worst = (total / limit, {"what": what, "bytes": limit, "need": total}, len(sharers))
     return worst
 
 
