@@ -79,6 +79,9 @@ def test_three_ranks_with_clipping_and_accumulation_match_unsharded(tmp_path, ba
             plan = got["shard_overlap"]
             assert plan["buckets"] > 10 and 0 < plan["replicated"] < plan["buckets"], plan
             assert plan["steps"] == got["global_step"] and plan["steps_overlapped"] == plan["steps"], plan
+            # one parameter a bucket: rank 0 keeps only the gradients of those it owns, not the
+            # other owners' parts of an allreduced bucket or a segment of padding
+            assert plan["kept_bytes"] == plan["owned_bytes"] > 0, plan
 
 
 @pytest.mark.mp
@@ -97,6 +100,7 @@ def test_gradient_buckets_travel_during_backward(tmp_path, backend):
     assert plan["buckets"] >= 3 and plan["replicated"] == 0, plan
     assert plan["steps"] == plan["steps_overlapped"] == steps, plan
     assert plan["buckets_started_in_backward"] == steps * plan["buckets"], plan
+    assert plan["kept_bytes"] == plan["owned_bytes"] > 0, plan  # not the padding of its segments
     one = _run(tmp_path, "one", backend, 2, "optimizer", *extra, "--model", "tiny")
     assert one["shard_overlap"]["buckets"] == 1 and one["shard_overlap"]["steps_overlapped"] == 0
 

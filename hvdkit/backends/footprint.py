@@ -11,17 +11,17 @@ mode        parameters   gradients   optimizer    in flight
 none        P            T           r*T          Horovod: MAX_IN_FLIGHT buckets and the one being
                                                   filled (its reducer's flat copies); DDP: none (its
                                                   buckets are the gradients themselves)
-optimizer   P            G           r*T/N        MAX_IN_FLIGHT+1 buckets' flat buffers (backward), or
-                                                  MAX_IN_FLIGHT all-gathers, each a segment and its
-                                                  result (after the step), whichever is more
+optimizer   P            G           r*T/N        MAX_IN_FLIGHT+1 buckets' flat buffers, each with
+                                                  the segment received (backward), or MAX_IN_FLIGHT
+                                                  all-gathers, each a segment and its result (after
+                                                  the step), whichever is more
 full        P/N          T/N         r*T/N        two units whole (the one running, the prefetched
                                                   one) and two units' whole gradients
 =========== ============ =========== ============ ===================================================
 
-``G``: what ZeRO's plan (:func:`~hvdkit.backends.zero.plan_owned`, at this world size) makes
-each rank receive and keep until the step: its padded segment of each scattered bucket (about
-T/N, but a bucket of one large parameter pads every rank's segment to that whole parameter),
-and the whole of each allreduced bucket.
+``G``: the reduced gradients of the parameters ZeRO's plan (:func:`~hvdkit.backends.zero.plan_owned`,
+at this world size) gives the rank that owns the most (about T/N: whole parameters are owned,
+so a few large ones make it uneven); each rank keeps its own and frees the rest as it arrives.
 
 These are the strategies' own rules (``buckets.MAX_IN_FLIGHT``, ZeRO's plan, ZeRO-3's and FSDP2's
 prefetch of one unit), not fitted numbers. Left out: what the allocator keeps of freed memory and
@@ -53,9 +53,9 @@ class ModelSizes:
     trainable: int       # those that require a gradient
     largest_unit: int    # the largest unit --shard full gathers whole (a block, or the root's rest)
     largest_tensor: int  # what a checkpoint's writer holds at once (hvdkit.checkpoint streams)
-    zero_grads: int = 0  # --shard optimizer: the reduced gradients a rank receives (ZeRO's plan)
-    zero_flat: int = 0   # --shard optimizer: its largest flat buffer sent in backward
-    zero_gather: int = 0  # --shard optimizer: its largest all-gather after the step (segment and result)
+    zero_grads: int = 0  # --shard optimizer: the reduced gradients the busiest owner keeps (ZeRO's plan)
+    zero_flat: int = 0   # --shard optimizer: the most its buckets in flight hold in backward (sent and received)
+    zero_gather: int = 0  # --shard optimizer: the most its all-gathers in flight hold after the step
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,11 @@ def _bytes(params: Sequence[torch.Tensor]) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
+def _most_in_a_row(values: Sequence[int], n: int) -> int:
+    """The largest sum of ``n`` consecutive ``values`` (of all of them, if fewer)."""
+    return max((sum(values[i:i + n]) for i in range(max(len(values) - n + 1, 1))), default=0)
+
+
 def model_sizes(model: nn.Module, optimized: Sequence[torch.Tensor] = (), world: int = 1,
                 bucket_cap_mb: float = 25.0) -> ModelSizes:
     """The sizes of ``model`` as built (whole, before any strategy wraps it), with the units
@@ -92,15 +97,24 @@ def model_sizes(model: nn.Module, optimized: Sequence[torch.Tensor] = (), world:
         units.append(_bytes(own))
     zero_grads = zero_flat = zero_gather = 0
     if optimized and world > 1:
-        _, buckets, _ = plan_owned(optimized, bucket_cap_mb, world)
+        _, buckets, owner = plan_owned(optimized, bucket_cap_mb, world)
+        owned = [0] * world  # each rank keeps its own parameters' reduced gradients, no padding
+        for i, r in enumerate(owner):
+            owned[r] += optimized[i].numel() * optimized[i].element_size()
+        zero_grads = max(owned)
+        sent, gathered = [], []
         for b in buckets:
             size = optimized[b.params[0]].element_size()
             whole = sum(optimized[i].numel() for i in b.params) * size
-            zero_grads += b.width * size if b.scatter else whole
-            # backward: the flat buffer sent (every owner's padded segment, or the bucket whole);
-            # after the step: this rank's segment and the all-gathered buffer (a broadcast is in place)
-            zero_flat = max(zero_flat, world * b.width * size if b.scatter else whole)
-            zero_gather = max(zero_gather, (world + 1) * b.width * size if b.scatter else 0)
+            # backward: the flat buffer sent (every owner's padded segment) and the segment received,
+            # or the bucket whole; after the step: this rank's segment and the all-gathered buffer
+            # (a broadcast is in place)
+            sent.append((world + 1) * b.width * size if b.scatter else whole)
+            gathered.append((world + 1) * b.width * size if b.scatter else 0)
+        # buckets start in plan order, at most MAX_IN_FLIGHT in flight (and in backward the one
+        # being started): the most any run of that many consecutive buckets holds
+        zero_flat = _most_in_a_row(sent, MAX_IN_FLIGHT + 1)
+        zero_gather = _most_in_a_row(gathered, MAX_IN_FLIGHT)
     return ModelSizes(params=_bytes(params), trainable=_bytes([p for p in params if p.requires_grad]),
                       largest_unit=max(units), largest_tensor=max((_bytes([p]) for p in params), default=0),
                       zero_grads=zero_grads, zero_flat=zero_flat, zero_gather=zero_gather)
@@ -118,8 +132,10 @@ def needs(mode: str, sizes: ModelSizes, world: int, optimizer_ratio: float, buck
         return Needs(sizes.params, T, math.ceil(optimizer_ratio * T),
                      _REPLICATED_BUCKETS.get(backend, 0) * bucket_bytes)
     if mode == "optimizer":
+        in_flight = (max(sizes.zero_flat, sizes.zero_gather) if sizes.zero_flat
+                     else (MAX_IN_FLIGHT + 1) * bucket_bytes)  # no plan (one rank): full buckets
         return Needs(sizes.params, sizes.zero_grads or math.ceil(T / world), math.ceil(optimizer_ratio * T / world),
-                     max((MAX_IN_FLIGHT + 1) * max(sizes.zero_flat, bucket_bytes), MAX_IN_FLIGHT * sizes.zero_gather))
+                     in_flight)
     if mode == "full":
         return Needs(math.ceil(sizes.params / world), math.ceil(T / world), math.ceil(optimizer_ratio * T / world),
                      4 * sizes.largest_unit)

@@ -152,13 +152,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._started: list[Wait] = []       # in the order started
         self.engine = BucketEngine(self.params, plan, self._start, backward_passes)
         self.waited = 0.0  # seconds in step() waiting for collectives
+        self.kept_bytes = 0  # reduced gradients this rank held until its last step (ZeRO-2: its own)
         if optimizer.state:  # state the caller's optimizer had (a restore before the wrap):
             self.load_state_dict(optimizer.state_dict())  # kept; the broadcast gives root's
 
     @property
     def overlap(self) -> dict[str, int]:
-        """How many buckets there are, how many are replicated, and how often they overlapped backward."""
-        return {**self.engine.stats, "replicated": sum(not b.scatter for b in self.buckets)}
+        """How many buckets there are, how many are replicated, how often they overlapped backward,
+        and the bytes of reduced gradients this rank kept until its last step against the bytes
+        of the parameters it owns (equal: nothing but its own is kept)."""
+        return {**self.engine.stats, "replicated": sum(not b.scatter for b in self.buckets),
+                "kept_bytes": self.kept_bytes,
+                "owned_bytes": sum(self.params[i].numel() * self.params[i].element_size() for i in self.mine)}
 
     def _index(self, p: torch.Tensor) -> int:
         return self._index_of[id(p)]
@@ -206,12 +211,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                               for i in bucket.params])
         for i in bucket.params:
             self.params[i].grad = None
-        wait = (self.comm.start_reduce_scatter_mean if bucket.scatter else self.comm.start_allreduce_mean)(flat, name)
+        # held in a list and dropped once waited for: a torch.distributed work keeps its input
+        # and output tensors (the flat buffer, the whole segment) for as long as it is referenced
+        pending = [(self.comm.start_reduce_scatter_mean if bucket.scatter else self.comm.start_allreduce_mean)(
+            flat, name)]
+        del flat
         earlier, done = self._results.get(b), list[torch.Tensor]()
 
         def result() -> torch.Tensor:
             if not done:
-                out = wait()
+                out = self._kept(bucket, pending.pop()())
                 done.append(out if earlier is None else earlier() + out)
             return done[0]
 
@@ -221,24 +230,36 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._started[-1 - MAX_IN_FLIGHT]()
         return result
 
+    def _kept(self, bucket: OwnedBucket, out: torch.Tensor) -> torch.Tensor:
+        """What this rank keeps of bucket's reduced result until the step: its own parameters'
+        gradients in :meth:`_own_slots` order, nothing else. The padding of a segment (all of it
+        where the rank owns nothing in the bucket: a one-parameter bucket's other ranks) and the
+        others' parts of an allreduced bucket are freed as the result arrives; kept, they made
+        every rank hold every large parameter's gradient until the step."""
+        own = bucket.segments[self.comm.rank]
+        n = sum(self.params[i].numel() for i in own)
+        if bucket.scatter:  # out is this rank's padded segment: its parameters first
+            return out if n == out.numel() else out[:n].clone()
+        offset, at = {}, 0
+        for i in bucket.params:
+            offset[i] = at
+            at += self.params[i].numel()
+        if n == out.numel() and [offset[i] for i in own] == sorted(offset[i] for i in own):
+            return out  # owns the whole bucket, in the bucket's order
+        return torch.cat([out[offset[i]:offset[i] + self.params[i].numel()] for i in own]) if own else out[:0].clone()
+
     def reduce_gradients(self) -> None:
         """Wait for every bucket (the engine starts those backward did not): this rank's
-        parameters get the averaged gradients, the rest none."""
+        parameters get the averaged gradients, the rest none. :attr:`kept_bytes`: what this rank
+        held of the reduced gradients until this step."""
         rank = self.comm.rank
-        outs = self.engine.finish()
+        kept = self.engine.finish()
         self._results.clear()
         self._started.clear()
-        for bucket, out in zip(self.buckets, outs):
-            if bucket.scatter:  # out is this rank's segment
-                for p, at in self._own_slots(bucket):
-                    p.grad = out[at:at + p.numel()].view_as(p)
-            else:
-                at = 0
-                for i in bucket.params:
-                    p = self.params[i]
-                    if self.owner[i] == rank:
-                        p.grad = out[at:at + p.numel()].view_as(p).clone()
-                    at += p.numel()
+        self.kept_bytes = sum(k.untyped_storage().nbytes() for k in kept)
+        for bucket, out in zip(self.buckets, kept):
+            for p, at in self._own_slots(bucket):
+                p.grad = out[at:at + p.numel()].view_as(p)
         for i, p in enumerate(self.params):
             if self.owner[i] != rank:
                 p.grad = None  # ZeRO-2: a rank keeps only the gradients it steps
