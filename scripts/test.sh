@@ -22,4 +22,7 @@ cd "$ROOT"
 shellcheck scripts/*.sh .ci/run
 ruff check hvdkit tests
 mypy
-python -m pytest -q -p no:cacheprovider --durations=25 "$@"
+# two workers (HVDKIT_TEST_WORKERS; 0 runs one process): the Slurm and Ray tests form one serial
+# group beside the rest, grouped by module (tests/conftest.py); the machine has 2 cores and those
+# tests mostly wait on a queue or a daemon
+python -m pytest -q -p no:cacheprovider -n "${HVDKIT_TEST_WORKERS:-2}" --dist loadgroup --durations=25 "$@"

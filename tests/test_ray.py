@@ -21,6 +21,7 @@ import pytest
 
 from helpers import HVDKIT, ROOT, base_env, check, launch, stop_process_group, wait_until
 
+pytestmark = [pytest.mark.ray]  # one Ray head at a time on this machine (tests/conftest.py)
 pytest.importorskip("ray")  # the [ray] extra: scripts/setup.sh installs it, so this runs in make test
 
 MODELS = str(ROOT / "examples" / "models.py")
