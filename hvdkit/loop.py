@@ -46,7 +46,7 @@ from .fileio import write_json_atomic
 from .log import configure as configure_log
 from .log import debug, diag, warn
 from .log import result as result_line
-from .memory import nbytes, peak_rss, rank_memory
+from .memory import peak_rss, rank_memory
 from .metrics import evaluate
 from .models import build_model_lazily
 from .nonfinite import NonFiniteWatch
@@ -59,6 +59,7 @@ from .preflight import activation_meter, current_rss, preflight, wanted
 from .profiling import step_profiler
 from .samplelog import SampleLog
 from .schedule import LrPlan, warmup_factor
+from .sizes import nbytes
 from .tasks import Task, check_labels, make_task, to_device
 
 __all__ = ["TrainResult", "train", "train_step", "make_optimizer", "warmup_factor", "param_digest"]

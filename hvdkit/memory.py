@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import resource
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from .sizes import nbytes
+
 if TYPE_CHECKING:
     from .backends.base import Backend
 
-__all__ = ["nbytes", "rank_memory", "peak_rss"]
-
-
-def nbytes(tensors: Any) -> int:
-    """Bytes of the tensors among ``tensors``."""
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+__all__ = ["rank_memory", "peak_rss"]
 
 
 def peak_rss() -> int:

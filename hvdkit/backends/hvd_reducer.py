@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..sizes import nbytes
 from .buckets import FIRST_BUCKET_BYTES, BucketEngine, plan_buckets
 from .comm import Wait
 from .powersgd import PowerSGD
@@ -44,7 +45,7 @@ __all__ = ["bucketed_optimizer", "plan_allreduce_buckets"]
 def plan_allreduce_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
     """The allreduce reducer's plan: DDP's small first bucket, and a parameter of 1 MiB or more
     alone (see :func:`~hvdkit.backends.buckets.plan_buckets`)."""
-    return plan_buckets([p.numel() * p.element_size() for p in params], [(p.dtype, p.device) for p in params],
+    return plan_buckets([nbytes([p]) for p in params], [(p.dtype, p.device) for p in params],
                         cap_bytes, first_cap_bytes=FIRST_BUCKET_BYTES, alone_bytes=FIRST_BUCKET_BYTES)
 
 

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from ..h5tree import Deferred, materialize, materialize_into
+from ..sizes import nbytes
 from .buckets import MAX_IN_FLIGHT, BucketEngine, bucket_bytes, plan_buckets
 from .comm import Communicator, TensorSpec, Wait, broadcast_tree, skeleton, state_tensors
 from .strategy import Strategy, same_optimizer
@@ -107,7 +108,7 @@ def plan_owned(params: Sequence[torch.Tensor], bucket_cap_mb: float,
     """The buckets of ``params`` (the optimizer's, in its groups' order), their owners' layout
     and every parameter's owner: a function of the shapes alone (a meta model's too), so the
     memory preflight plans exactly what the optimizer will."""
-    sizes = [p.numel() * p.element_size() for p in params]
+    sizes = [nbytes([p]) for p in params]
     plan = plan_buckets(sizes, [(p.dtype, p.device) for p in params], bucket_bytes(sum(sizes), bucket_cap_mb))
     buckets, owner = assign_owners(plan, [p.numel() for p in params], world)
     return plan, buckets, owner
@@ -137,6 +138,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         rank = comm.rank
         plan, self.buckets, self.owner = plan_owned(self.params, bucket_cap_mb, comm.size)
         self.mine = [i for i, o in enumerate(self.owner) if o == rank]
+        self._keep = [self._keep_plan(b) for b in self.buckets]  # indexed by OwnedBucket.index
         groups = []
         self._group_of_local: list[int] = []
         for gi, group in enumerate(self.param_groups):
@@ -163,7 +165,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         of the parameters it owns (equal: nothing but its own is kept)."""
         return {**self.engine.stats, "replicated": sum(not b.scatter for b in self.buckets),
                 "kept_bytes": self.kept_bytes,
-                "owned_bytes": sum(self.params[i].numel() * self.params[i].element_size() for i in self.mine)}
+                "owned_bytes": nbytes(self.params[i] for i in self.mine)}
 
     def _index(self, p: torch.Tensor) -> int:
         return self._index_of[id(p)]
@@ -230,23 +232,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._started[-1 - MAX_IN_FLIGHT]()
         return result
 
+    def _keep_plan(self, bucket: OwnedBucket) -> tuple[int, list[tuple[int, int]] | None]:
+        """What :meth:`_kept` cuts from ``bucket``'s result, worked out once: this rank's element
+        count, and for an allreduced bucket the (start, stop) of each own parameter in the
+        bucket's order (None: the rank owns all of it, in that order, so the result is kept whole)."""
+        own = bucket.segments[self.comm.rank]
+        n = sum(self.params[i].numel() for i in own)
+        if bucket.scatter:
+            return n, None
+        offset, at = {}, 0
+        for i in bucket.params:
+            offset[i] = at
+            at += self.params[i].numel()
+        if n == at and [offset[i] for i in own] == sorted(offset[i] for i in own):
+            return n, None
+        return n, [(offset[i], offset[i] + self.params[i].numel()) for i in own]
+
     def _kept(self, bucket: OwnedBucket, out: torch.Tensor) -> torch.Tensor:
         """What this rank keeps of bucket's reduced result until the step: its own parameters'
         gradients in :meth:`_own_slots` order, nothing else. The padding of a segment (all of it
         where the rank owns nothing in the bucket: a one-parameter bucket's other ranks) and the
         others' parts of an allreduced bucket are freed as the result arrives; kept, they made
         every rank hold every large parameter's gradient until the step."""
-        own = bucket.segments[self.comm.rank]
-        n = sum(self.params[i].numel() for i in own)
+        n, ranges = self._keep[bucket.index]
         if bucket.scatter:  # out is this rank's padded segment: its parameters first
             return out if n == out.numel() else out[:n].clone()
-        offset, at = {}, 0
-        for i in bucket.params:
-            offset[i] = at
-            at += self.params[i].numel()
-        if n == out.numel() and [offset[i] for i in own] == sorted(offset[i] for i in own):
+        if ranges is None:
             return out  # owns the whole bucket, in the bucket's order
-        return torch.cat([out[offset[i]:offset[i] + self.params[i].numel()] for i in own]) if own else out[:0].clone()
+        return torch.cat([out[a:b] for a, b in ranges]) if ranges else out[:0].clone()
 
     def reduce_gradients(self) -> None:
         """Wait for every bucket (the engine starts those backward did not): this rank's
