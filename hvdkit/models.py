@@ -25,7 +25,7 @@ from .config import MODEL_NAMES
 from .materialise import Built, build
 
 __all__ = ["SmallCNN", "ManyTensorsMLP", "ModelSpec", "MODELS", "build_model", "build_model_lazily",
-           "check_builtin_args", "synthetic_dataset"]
+           "build_model_on_meta", "check_builtin_args", "synthetic_dataset"]
 
 
 class SmallCNN(nn.Module):
@@ -153,6 +153,15 @@ def build_model_lazily(name: str, seed: int = 0, args: Mapping[str, Any] | None 
     built = build(factory, seed, target)
     _checked(name, built.model)
     return built
+
+
+def build_model_on_meta(name: str, args: Mapping[str, Any] | None = None) -> nn.Module:
+    """Model ``name`` built under the meta device: its shapes and dtypes, no memory (to size it
+    where it will not be trained, as ``hvdkit slurm --mem`` does). A factory that loads real
+    tensors (a file, an explicit device) still does."""
+    _, factory = _factory(name, args)
+    with torch.device("meta"):
+        return _checked(name, factory())
 
 
 def synthetic_dataset(name: str, num_samples: int, seed: int = 1234) -> Dataset:

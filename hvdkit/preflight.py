@@ -43,13 +43,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .backends.footprint import ModelSizes, Needs, needs
+from .backends.footprint import ModelSizes, Needs, model_sizes, needs
 from .blocks import recomputed_blocks
 from .config import SHARD_MODES, TrainConfig
 from .environments import slurm_job_memory
 from .errors import ConfigError
 from .h5tree import tree_leaves
 from .log import debug, diag
+from .sizes import nbytes
 
 if TYPE_CHECKING:
     from .backends.base import Backend
@@ -155,8 +156,7 @@ def optimizer_ratio(cfg: TrainConfig) -> float | None:
     except Exception:  # whatever the user's optimizer does with it: no estimate, said by the caller
         return None
     state = optimizer.state.get(p, {})
-    held = sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
-    return held / (p.numel() * p.element_size())
+    return nbytes(state.values()) / nbytes([p])
 
 
 class ActivationMeter:
@@ -183,7 +183,7 @@ class ActivationMeter:
             ptr = t.untyped_storage().data_ptr()
             if ptr not in inputs and ptr not in seen:
                 seen.add(ptr)
-                total += t.numel() * t.element_size()
+                total += nbytes([t])
         return total
 
     def _leaf(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -195,7 +195,7 @@ class ActivationMeter:
             self._inside[block] += added
 
     def _block(self, index: int, _module: nn.Module, _args: Any, output: Any) -> None:
-        self._outputs[index] += sum(t.numel() * t.element_size() for t in _tensors(output))
+        self._outputs[index] += nbytes(_tensors(output))
 
     @contextmanager
     def counting(self) -> Iterator[ActivationMeter]:
@@ -283,6 +283,43 @@ def _instead(ranks: list[dict[str, Any]], mode: str, modes: list[str]) -> str | 
     roomy = [m for m in fits if _over(ranks, m, NAMED_SHARE) is None]
     ranked = roomy or sorted(fits, key=lambda m: max(r["peaks"][m] for r in ranks))
     return ranked[0] if ranked else None
+
+
+def job_check(cfg: TrainConfig, model: nn.Module, nodes: int, per_node: int, mem: int) -> ConfigError | None:
+    """Before a job is submitted (``hvdkit slurm --mem``): the least a rank needs under each mode,
+    from ``model``'s sizes (built on the meta device), against the job's ``mem`` bytes a node
+    shared by its ``per_node`` ranks. Activations and the runtime are left out (they are
+    measured before step 1, by :func:`preflight`), so this refuses only what cannot fit: the
+    refusal, naming the least sharded mode whose least fits, or None."""
+    ratio = optimizer_ratio(cfg)
+    if ratio is None:
+        return None
+    world = nodes * per_node
+    from .optim import make_optimizer
+
+    optimizer = make_optimizer(cfg, model, cfg.lr)
+    sizes = model_sizes(model, [p for g in optimizer.param_groups for p in g["params"]], world,
+                        cfg.backend.bucket_cap_mb)
+    bucket = int(cfg.backend.bucket_cap_mb * 2**20)
+    modes = _allowed_modes(cfg, world)
+    parts = {m: needs(m, sizes, world, ratio, bucket, cfg.backend.name) for m in modes}
+    peaks = {m: part.state + part.in_flight for m, part in parts.items()}
+    ranks: list[dict[str, Any]] = [{"limits": [("job's --mem on a node", "node", mem)], "peaks": peaks}] * per_node
+    mode = cfg.backend.shard
+    if _over(ranks, mode) is None:
+        return None
+    part = parts[mode]
+    message = (f"a rank needs at least ~{_size(peaks[mode])} under --shard {mode} (parameters "
+               f"{_size(part.params)}, gradients {_size(part.grads)}, optimizer state {_size(part.optimizer)}, in "
+               f"flight {_size(part.in_flight)}; activations and torch itself come on top), and the job's --mem "
+               f"gives a node {_size(mem)} for its {per_node} rank{'s' if per_node > 1 else ''}")
+    best = _instead(ranks, mode, modes)
+    if best is not None:
+        message += f"; --shard {best} needs at least ~{_size(peaks[best])}"
+        hint = f"use --shard {best}, or a larger --mem"
+    else:
+        hint = "a larger --mem, fewer --tasks-per-node on more nodes, or a smaller model"
+    return ConfigError(message, hint + " (--no-memory-check after '--' skips this check)")
 
 
 def preflight(cfg: TrainConfig, backend: Backend, sizes: ModelSizes, held_params: int, runtime: int,

@@ -13,6 +13,7 @@ HEAVY = ("torch", "horovod", "mpi4py")
 COMMANDS = [
     "--help",
     "slurm -o job.sbatch --nodes 2 -- --model mlp --epochs 3",
+    "slurm -o job.sbatch --nodes 2 --mem 4G -- --model mlp --epochs 3",  # sizes the model in a child
     "slurm -o job.sbatch --backend ddp --launcher mpirun -- --epochs 1",
     "slurm -o job.sbatch --elastic --nodes 2 -- --epochs 1",
     "run --dry-run -np 2 -- --epochs 1 --timeline t.json",

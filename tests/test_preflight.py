@@ -204,3 +204,84 @@ def test_the_refused_mode_really_does_not_fit_the_budget(tmp_path):
     """The refusal was right: without the check, the same run is ended by the budget (its OOM killer)."""
     run, figures = _budgeted(tmp_path, "ddp", "--no-memory-check")
     assert run.returncode != 0 and any(f["oom_kill"] > 0 for f in figures), (figures, run.stderr[-2000:])
+
+
+# ---------------------------------------------------------------------------------------------
+# Before the queue: hvdkit slurm --mem against the least a node's ranks need (the model sized on
+# the meta device in a child process; the CLI itself stays torch-free)
+# ---------------------------------------------------------------------------------------------
+def test_slurm_s_mem_is_read_as_sbatch_reads_it():
+    from hvdkit.errors import ConfigError
+    from hvdkit.launch.slurm import mem_bytes
+
+    assert (mem_bytes("16G"), mem_bytes("512K"), mem_bytes("2T")) == (16 << 30, 512 << 10, 2 << 40)
+    assert mem_bytes("4000") == 4000 << 20 and mem_bytes("1.5G") == 3 << 29  # no unit: MiB
+    assert mem_bytes("0") is None  # all of each node's memory
+    with pytest.raises(ConfigError, match="is not a Slurm memory size"):
+        mem_bytes("16GB")
+
+
+def test_the_job_check_counts_the_state_of_a_meta_built_model_and_nothing_it_cannot_see():
+    from hvdkit.models import build_model_on_meta
+    from hvdkit.preflight import job_check
+
+    model = build_model_on_meta("mlp")
+    params = list(model.parameters())
+    assert params and all(p.is_meta for p in params)  # sized, not allocated
+    cfg = TrainConfig(model="mlp", optimizer="adamw")  # Horovod: its flat buckets are in flight too
+    ratio = optimizer_ratio(cfg)  # AdamW: two moments (and a step count) a parameter
+    part = needs("none", model_sizes(model, params, 2), 2, ratio, 25 << 20, "horovod")
+    floor = part.state + part.in_flight  # what two ranks on a node need at the least, each
+    numel = sum(p.numel() for p in params)
+    assert part.in_flight == (MAX_IN_FLIGHT + 1) * 4 * numel  # each bucket no larger than the model
+    assert floor >= (16 + 4 * (MAX_IN_FLIGHT + 1)) * numel  # 16 bytes a parameter, and the buckets
+    assert job_check(cfg, model, 1, 2, 2 * floor) is None
+    refusal = job_check(cfg, model, 1, 2, 2 * floor - 1)
+    assert refusal is not None and "--shard none" in refusal.message and "at least" in refusal.message
+    refusal = job_check(cfg, model, 1, 2, 1 << 20)  # nothing fits one MiB: no mode is named
+    assert refusal is not None and "use --shard" not in str(refusal) and "a larger --mem" in refusal.hint
+
+
+GPT_51M = ["--model", f"{ROOT / 'examples' / 'models.py'}:gpt", "--model-arg", "vocab_size=50304",
+           "--model-arg", "block_size=64", "--model-arg", "n_layer=8", "--model-arg", "n_head=8",
+           "--model-arg", "n_embd=512", "--task", "language-model", "--optimizer", "adamw", "--data", "train.h5"]
+
+
+@pytest.mark.timeout(300)  # six CLI calls, four of them sizing the model in a child: ~5 s each
+def test_hvdkit_slurm_refuses_a_mem_the_ranks_cannot_fit_before_writing_the_script(tmp_path):
+    from helpers import HVDKIT, base_env
+
+    (tmp_path / "train.h5").write_bytes(b"")  # --data only has to exist to make the script
+
+    def slurm(mem: str, *train: str) -> subprocess.CompletedProcess:
+        (tmp_path / "job.sbatch").unlink(missing_ok=True)
+        return subprocess.run([*HVDKIT, "slurm", "-N", "1", "--tasks-per-node", "2", "--mem", mem, "-o",
+                               "job.sbatch", "--", *train], cwd=tmp_path, env=base_env(), capture_output=True,
+                              text=True, timeout=120)
+
+    # 51M parameters, AdamW: ~853 MiB a rank at the least replicated, ~783 MiB under --shard full
+    proc = slurm("1700M", *GPT_51M)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("Error: --mem 1700M: a rank needs at least ~") and "under --shard none" in lines[0]
+    named = re.search(r"HINT: use --shard (\w+)", lines[0])
+    assert named and named.group(1) != "none", lines[0]
+    assert not (tmp_path / "job.sbatch").exists()
+    # the mode it names passes the same check, and the script carries it
+    proc = slurm("1700M", *GPT_51M, "--shard", named.group(1))
+    assert proc.returncode == 0, proc.stderr
+    assert f"--shard {named.group(1)}" in (tmp_path / "job.sbatch").read_text()
+    # far too little for any mode: no mode named, what to change instead
+    proc = slurm("64M", *GPT_51M)
+    assert proc.returncode == 2 and "HINT: a larger --mem, fewer --tasks-per-node" in proc.stderr, proc.stderr
+    # the run's own switch skips it; --mem=0 (the whole node) is not checked
+    assert slurm("64M", *GPT_51M, "--no-memory-check").returncode == 0
+    assert slurm("0", *GPT_51M).returncode == 0
+    # a model that cannot be built on the meta device here: said, and the run checks before step 1
+    (tmp_path / "odd.py").write_text("import torch\nfrom torch import nn\n\n\ndef odd() -> nn.Module:\n"
+                                     "    n = int(torch.ones(1).sum().item())  # a value: not on meta\n"
+                                     "    return nn.Linear(8 * n, 4)\n")
+    proc = slurm("64M", "--model", "odd.py:odd", "--data", "train.h5")
+    assert proc.returncode == 0 and (tmp_path / "job.sbatch").is_file(), proc.stderr
+    assert "Warning: --mem 64M was not checked against the model here (--model odd.py:odd could not be sized" \
+        in proc.stderr and "the run checks its memory before step 1" in proc.stderr, proc.stderr

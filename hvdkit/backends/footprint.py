@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..blocks import shard_units
+from ..sizes import nbytes
 from .buckets import MAX_IN_FLIGHT
 from .zero import plan_owned
 
@@ -73,10 +74,6 @@ class Needs:
         return self.params + self.grads + self.optimizer
 
 
-def _bytes(params: Sequence[torch.Tensor]) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
-
-
 def model_sizes(model: nn.Module, optimized: Sequence[torch.Tensor] = (), world: int = 1,
                 bucket_cap_mb: float = 25.0) -> ModelSizes:
     """The sizes of ``model`` as built (whole, before any strategy wraps it), with the units
@@ -89,13 +86,13 @@ def model_sizes(model: nn.Module, optimized: Sequence[torch.Tensor] = (), world:
     for module in [*shard_units(model), model]:
         own = [p for p in module.parameters() if id(p) not in seen]
         seen.update(id(p) for p in own)
-        units.append(_bytes(own))
+        units.append(nbytes(own))
     zero_grads = zero_flat = zero_gather = 0
     if optimized and world > 1:
         _, buckets, owner = plan_owned(optimized, bucket_cap_mb, world)
         owned = [0] * world  # each rank keeps its own parameters' reduced gradients, no padding
         for i, r in enumerate(owner):
-            owned[r] += optimized[i].numel() * optimized[i].element_size()
+            owned[r] += nbytes([optimized[i]])
         zero_grads = max(owned)
         sent, gathered = [], []
         for b in buckets:
@@ -107,8 +104,8 @@ def model_sizes(model: nn.Module, optimized: Sequence[torch.Tensor] = (), world:
             sent.append((world + 1) * b.width * size if b.scatter else whole)
             gathered.append((world + 1) * b.width * size if b.scatter else 0)
         zero_flat, zero_gather = max(sent), max(gathered)
-    return ModelSizes(params=_bytes(params), trainable=_bytes([p for p in params if p.requires_grad]),
-                      largest_unit=max(units), largest_tensor=max((_bytes([p]) for p in params), default=0),
+    return ModelSizes(params=nbytes(params), trainable=nbytes(p for p in params if p.requires_grad),
+                      largest_unit=max(units), largest_tensor=max((nbytes([p]) for p in params), default=0),
                       zero_grads=zero_grads, zero_flat=zero_flat, zero_gather=zero_gather)
 
 
@@ -120,6 +117,7 @@ def needs(mode: str, sizes: ModelSizes, world: int, optimizer_ratio: float, buck
           backend: str = "ddp") -> Needs:
     """One rank's parts under ``mode`` (``none``, ``optimizer``, ``full``) at ``world`` ranks of ``backend``."""
     T = sizes.trainable
+    bucket_bytes = min(bucket_bytes, T)  # a bucket holds no more than every gradient there is
     if mode == "none":
         return Needs(sizes.params, T, math.ceil(optimizer_ratio * T),
                      _REPLICATED_BUCKETS.get(backend, 0) * bucket_bytes)

@@ -18,7 +18,7 @@ from ..launch.local import training_program
 from ..launch.slurm import RAY_ENGINE, SLURM_LAUNCHERS, SRUN_MPI, SlurmJob, render_sbatch, submit
 from ..launch.vocabulary import BACKEND_VAR, ELASTIC_LAUNCHER, iface_env
 from .common import FiniteFloat, config_option, translate_errors, usable_output
-from .validate import check_array_params, check_program, check_train_args, is_program
+from .validate import check_array_params, check_job_memory, check_program, check_train_args, is_program
 
 # every default below is SlurmJob's own (tests/test_config.py checks that none drifts)
 JOB = {f.name: f.default for f in dataclasses.fields(SlurmJob) if f.default is not dataclasses.MISSING}
@@ -85,7 +85,8 @@ def _print_template_dir(ctx: click.Context) -> None:
 @click.option("--gpus-per-node", type=click.IntRange(min=0), default=JOB["gpus_per_node"], show_default=True)
 @click.option("--gpus-per-task", type=click.IntRange(min=1), default=None)
 @click.option("-c", "--cpus-per-task", type=click.IntRange(min=1), default=JOB["cpus_per_task"], show_default=True)
-@click.option("--mem", default=None, help="Memory per node, e.g. 64G.")
+@click.option("--mem", default=None, help="Memory per node, e.g. 64G; a job whose ranks cannot fit it (the model's "
+              "state, sized on the meta device) is refused now.")
 @click.option("-t", "--time", default=JOB["time"], show_default=True, help="Time limit (Slurm formats).")
 @click.option("-p", "--partition", default=None)
 @click.option("-A", "--account", default=None)
@@ -165,9 +166,16 @@ def slurm_command(**o: Any) -> None:
     # everything the nodes would trip over, checked now: nothing is written when one fails
     if is_program(args):
         check_program(args, o["venv"], o["workdir"])
-    elif check_train_args(args, backend=o["backend"]).elastic and o["engine"] == "ray":
-        raise click.UsageError("training's --elastic needs Horovod Elastic's driver (horovodrun), and Ray starts "
-                               "these ranks. HINT: use hvdkit slurm --elastic without --engine ray")
+    else:
+        cfg = check_train_args(args, backend=o["backend"])
+        if cfg.elastic and o["engine"] == "ray":
+            raise click.UsageError("training's --elastic needs Horovod Elastic's driver (horovodrun), and Ray "
+                                   "starts these ranks. HINT: use hvdkit slurm --elastic without --engine ray")
+        # the node's memory against the model, before the job waits in a queue; not for GPU jobs (the
+        # state is in device memory), elastic ones (a newcomer checks alone) or arrays (each task's
+        # options differ)
+        if o["mem"] and cfg.memory_check and not cfg.elastic and not o["gpus_per_node"] and not o["array"]:
+            check_job_memory(args, o["backend"], o["nodes"], o["tasks_per_node"], o["mem"], o["workdir"])
     try:
         if o["array"] and o["array_params"]:
             check_array_params(o["array"], o["array_params"], train_options=not is_program(args))

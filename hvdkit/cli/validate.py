@@ -2,7 +2,9 @@
 
 Everything here is torch-free and fast: the training options are parsed by ``hvdkit train``'s
 own click parser and typed config, the program after ``--`` is looked up, and array
-specifications and their parameter files are checked against each other.
+specifications and their parameter files are checked against each other. The one exception,
+only with ``hvdkit slurm --mem``: the model is sized on the meta device in a child process
+(:mod:`hvdkit.cli.jobmem`, a few seconds), never in this one.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import difflib
 import os
 import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,13 +23,13 @@ import click
 
 from ..config import TrainConfig
 from ..errors import ConfigError
-from ..launch.slurm import array_indices
+from ..launch.slurm import array_indices, mem_bytes
 
 if TYPE_CHECKING:
     from ..sweep import SweepSpec
 
 __all__ = ["check_program", "check_train_args", "check_sweep_trials", "check_array_params", "check_import_paths",
-           "is_program"]
+           "check_job_memory", "is_program"]
 
 # Slurm's own spellings that users type after '--' out of habit: where they belong instead
 SLURM_SPELLINGS = {
@@ -120,6 +124,33 @@ def check_import_paths(cfg: TrainConfig) -> None:
 
     for value, args, what, skip in cfg.import_paths():
         check_static(value, args, what=what, skip=skip)
+
+
+JOB_MEMORY_TIMEOUT_S = 300  # the child imports torch and builds the model on meta: seconds, measured
+
+
+def check_job_memory(args: Sequence[str], backend: str, nodes: int, per_node: int, mem: str,
+                     workdir: str | None = None) -> None:
+    """A UsageError now when a node's ``--mem`` cannot hold what its ``per_node`` ranks need at
+    the least (:func:`hvdkit.preflight.job_check`: parameters, gradients, optimizer state, in
+    flight), naming a mode that fits; a warning line when the model could not be sized here."""
+    limit = mem_bytes(mem)
+    if limit is None:  # --mem=0: the whole node, whose size is not known here
+        return
+    argv = [sys.executable, "-m", "hvdkit.cli.jobmem", str(nodes), str(per_node), str(limit), backend, "--", *args]
+    where = workdir if workdir and Path(workdir).is_dir() else None  # relative import paths are the job's
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=JOB_MEMORY_TIMEOUT_S, cwd=where)
+        verdict = (proc.stdout.strip().splitlines() or [""])[-1]
+        why = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+    except subprocess.TimeoutExpired:
+        verdict, why = "", [f"sizing the model took over {JOB_MEMORY_TIMEOUT_S} s"]
+    kind, _, text = verdict.partition(" ")
+    if kind == "over":
+        raise click.UsageError(f"--mem {mem}: {text}")
+    if kind != "fits":
+        click.echo(f"Warning: --mem {mem} was not checked against the model here ({text or why[0]}); the run "
+                   "checks its memory before step 1", err=True)
 
 
 def _unknown_option(exc: click.NoSuchOption, where: str) -> str:

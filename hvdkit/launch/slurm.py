@@ -34,7 +34,7 @@ from .vocabulary import (
     train_env_var,
 )
 
-__all__ = ["SlurmJob", "render_sbatch", "submit", "parse_time", "array_indices", "SRUN_MPI",
+__all__ = ["SlurmJob", "render_sbatch", "submit", "parse_time", "array_indices", "mem_bytes", "SRUN_MPI",
            "SLURM_LAUNCHERS"]
 
 SRUN_MPI = ("pmix", "pmi2", "none")
@@ -43,9 +43,20 @@ RAY_ENGINE = "ray"  # hvdkit slurm --engine ray: Ray started inside the allocati
 RAY_JOIN_TIMEOUT_S = 300  # how long the script waits for every node's Ray to join before it fails
 _NAME_LIST = re.compile(r"^[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*$")
 _MEM = re.compile(r"^\d+(\.\d+)?[KMGT]?$")
+_MEM_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}  # sbatch --mem: no unit is M
 _ARRAY_ITEM = re.compile(r"^(\d+)(?:-(\d+))?(?::(\d+))?$")
 _EXTRA = re.compile(r"^--?[A-Za-z][A-Za-z0-9-]*(=\S.*)?$")
 _SIGNAL = re.compile(r"^(B:)?(USR1|USR2|TERM|INT|HUP)$")
+
+
+def mem_bytes(spec: str) -> int | None:
+    """sbatch ``--mem`` in bytes (``16G``, ``4000``: MiB when it has no unit); None for ``0``,
+    which gives a job all of each node's memory."""
+    if not _MEM.match(spec):
+        raise ConfigError(f"--mem {spec!r} is not a Slurm memory size", "use e.g. 16G or 4000M")
+    unit = _MEM_UNITS.get(spec[-1])
+    value = float(spec[:-1] if unit else spec) * (unit or _MEM_UNITS["M"])
+    return int(value) or None
 
 
 def array_indices(spec: str) -> list[int]:
@@ -174,8 +185,8 @@ class SlurmJob:
             if value is not None and not _NAME_LIST.match(value):
                 raise ConfigError(f"--{name} {value!r} is not a valid Slurm name",
                                   "use letters, digits, '_', '-', '.' (comma-separated for several)")
-        if self.mem is not None and not _MEM.match(self.mem):
-            raise ConfigError(f"--mem {self.mem!r} is not a Slurm memory size", "use e.g. 16G or 4000M")
+        if self.mem is not None:
+            mem_bytes(self.mem)  # a ConfigError unless Slurm reads it
         if self.launcher not in (*SLURM_LAUNCHERS, RAY_ENGINE):
             raise ConfigError(f"--launcher {self.launcher!r} is not known", f"use {', '.join(SLURM_LAUNCHERS)}")
         if self.ray_sweep_dir is not None and self.launcher != RAY_ENGINE:
