@@ -31,6 +31,8 @@ CASES = [
     ("slurm -o x.sbatch --array 0-2 --array-params one-line.txt", 2, "has 1 line(s) but --array 0-2 needs 3"),
     ("slurm -o x.sbatch --array 0-4%0", 2, "--array"),
     ("slurm -o x.sbatch -- --bogus-flag", 2, "no such option --bogus-flag"),
+    ("slurm -o x.sbatch --mem lots -- --epochs 1", 2, "--mem 'lots' is not a Slurm memory size"),
+    ("slurm -o x.sbatch --mem 1M -- --model mlp --epochs 1", 2, "--mem 1M: a rank needs at least"),
     ("slurm -o x.sbatch -- --lr abc", 2, "'--lr': 'abc'"),
     ("slurm -o x.sbatch -- --epochs -1", 2, "--epochs"),
     ("slurm -o x.sbatch --ntasks-per-node 2", 2, "use hvdkit's --tasks-per-node"),

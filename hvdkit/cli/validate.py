@@ -134,7 +134,10 @@ def check_job_memory(args: Sequence[str], backend: str, nodes: int, per_node: in
     """A UsageError now when a node's ``--mem`` cannot hold what its ``per_node`` ranks need at
     the least (:func:`hvdkit.preflight.job_check`: parameters, gradients, optimizer state, in
     flight), naming a mode that fits; a warning line when the model could not be sized here."""
-    limit = mem_bytes(mem)
+    try:
+        limit = mem_bytes(mem)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
     if limit is None:  # --mem=0: the whole node, whose size is not known here
         return
     argv = [sys.executable, "-m", "hvdkit.cli.jobmem", str(nodes), str(per_node), str(limit), backend, "--", *args]
