@@ -230,8 +230,25 @@ def requeue_slurm_job(environ: dict[str, str] | None = None) -> tuple[bool, str]
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, f"scontrol requeue {job} failed ({exc}); resubmit the job by hand"
+    if proc.returncode == -signal.SIGTERM and _restarted(job, env):
+        # the requeue it asked for TERMs the job's steps, scontrol among them, sometimes before
+        # scontrol has exited 0 (seen on a loaded machine): Slurm's restart count says it took
+        diag(f"requeued Slurm job {job} (scontrol was stopped by the requeue itself)")
+        return True, f"requeued Slurm job {job}"
     if proc.returncode != 0:
         detail = (proc.stderr or proc.stdout).strip().splitlines()
         return False, f"scontrol requeue {job} failed: {detail[0] if detail else proc.returncode}"
     diag(f"requeued Slurm job {job}")
     return True, f"requeued Slurm job {job}"
+
+
+def _restarted(job: str, env: dict[str, str]) -> bool:
+    """Whether Slurm counts more restarts of ``job`` than this run started with
+    (``SLURM_RESTART_COUNT``): its requeue has taken effect. False when that cannot be read."""
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=30,
+                              check=False)
+        counts = [int(f.split("=", 1)[1]) for f in proc.stdout.split() if f.startswith("Restarts=")]
+        return bool(counts) and counts[0] > int(env.get("SLURM_RESTART_COUNT") or 0)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return False

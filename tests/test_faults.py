@@ -44,6 +44,12 @@ def test_a_signal_that_arrives_with_the_holding_line_releases_the_hold():
 @pytest.mark.parametrize("script, expected", [
     ("echo 'requeued? no: Invalid job id specified' >&2; exit 1", (False, "failed: requeued? no: Invalid job id")),
     ("echo requeue refused; exit 0", (True, "requeued Slurm job 7_3")),
+    # the requeue TERMs the job's steps, scontrol among them, before it exits: Slurm's restart
+    # count decides (this run started at 0)
+    ('[ "$1" = show ] && echo "JobId=7 Restarts=1 JobState=PENDING" && exit 0; kill -TERM $$',
+     (True, "requeued Slurm job 7_3")),
+    ('[ "$1" = show ] && echo "JobId=7 Restarts=0 JobState=RUNNING" && exit 0; kill -TERM $$',
+     (False, "failed: -15")),
 ])
 def test_requeue_success_is_scontrols_exit_status_not_the_words_of_a_message(tmp_path, monkeypatch, script, expected):
     """What decides 'requeued' (exit 0 instead of 75) is scontrol's exit status; the outcome is
