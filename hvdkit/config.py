@@ -397,6 +397,13 @@ class TrainConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
 
     @property
+    def checks_memory(self) -> bool:
+        """Whether the run's memory is checked against its model (``hvdkit.preflight`` before step 1,
+        ``hvdkit slurm --mem`` before the queue): ``--memory-check``, except elastic runs (a newcomer
+        checks alone, mid-run, with no collective)."""
+        return self.memory_check and not self.elastic
+
+    @property
     def has_validation(self) -> bool:
         """Validation data is named (a --dataset factory may bring its own: checked at set-up)."""
         return bool(self.val_data) or self.val_fraction > 0 or bool(self.dataset)

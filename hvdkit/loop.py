@@ -55,7 +55,7 @@ from .optim import make_optimizer
 from .position import LoopPosition, RunningLoss
 from .precision import autocast, lowp_support, make_scaler
 from .preemption import Preempted, Preemption
-from .preflight import activation_meter, current_rss, preflight, wanted
+from .preflight import activation_meter, current_rss, preflight
 from .profiling import step_profiler
 from .samplelog import SampleLog
 from .schedule import LrPlan, warmup_factor
@@ -389,7 +389,7 @@ def _set_up(cfg: TrainConfig, backend: Backend, log: Callable[[str], None], resu
     optimizer = make_optimizer(cfg, model, cfg.lr)
     # whole, before a strategy shards them: the memory preflight's sizes (ZeRO's plan at this size)
     sizes = model_sizes(model, [p for g in optimizer.param_groups for p in g["params"]], backend.size,
-                        cfg.backend.bucket_cap_mb) if wanted(cfg) else None
+                        cfg.backend.bucket_cap_mb) if cfg.checks_memory else None
     model, optimizer = backend.wrap(model, optimizer, init=built.init)
     built_rss = peak_rss()
     if backend.is_master and (built.declared or cfg.backend.shard == "full"):  # where the path matters
@@ -419,7 +419,7 @@ def _check_data(run: _Run) -> None:
     gradients: nothing the check does changes the run.
     """
     plain = run.backend.strategy.eval_module(run.model)
-    checked = run.sizes is not None  # hvdkit.preflight.wanted
+    checked = run.sizes is not None  # TrainConfig.checks_memory
     runtime = current_rss() if checked else 0  # before the first batch: torch, the data, the model as held
     meter = activation_meter(run.cfg, plain)
     problems = []

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from .backends.base import Backend
 
 __all__ = ["Limit", "ActivationMeter", "checkpoint_buffer", "current_rss", "memory_limits", "optimizer_ratio",
-           "peak", "preflight", "wanted"]
+           "peak", "preflight"]
 
 MIN_CHECKPOINT_BUFFER = 256 << 20
 NAMED_SHARE = 0.8  # a mode named instead is one whose estimate is at most this share of the limit
@@ -219,12 +219,6 @@ class ActivationMeter:
 
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:
     return (t for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
-
-
-def wanted(cfg: TrainConfig) -> bool:
-    """Whether a run checks its memory: ``--memory-check``, except elastic runs (a newcomer checks
-    alone, mid-run, with no collective)."""
-    return cfg.memory_check and not cfg.elastic
 
 
 def activation_meter(cfg: TrainConfig, model: nn.Module) -> ActivationMeter:

@@ -172,9 +172,8 @@ def slurm_command(**o: Any) -> None:
             raise click.UsageError("training's --elastic needs Horovod Elastic's driver (horovodrun), and Ray "
                                    "starts these ranks. HINT: use hvdkit slurm --elastic without --engine ray")
         # the node's memory against the model, before the job waits in a queue; not for GPU jobs (the
-        # state is in device memory), elastic ones (a newcomer checks alone) or arrays (each task's
-        # options differ)
-        if o["mem"] and cfg.memory_check and not cfg.elastic and not o["gpus_per_node"] and not o["array"]:
+        # state is in device memory) or arrays (each task's options differ)
+        if o["mem"] and cfg.checks_memory and not o["gpus_per_node"] and not o["array"]:
             check_job_memory(args, o["backend"], o["nodes"], o["tasks_per_node"], o["mem"], o["workdir"])
     try:
         if o["array"] and o["array_params"]:
