@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import time
+from collections import defaultdict
 
 import pytest
 
@@ -25,8 +28,42 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group("machine" if shared else item.nodeid.split("::")[0]))
 
 
+# Where the suite's time goes, per xdist worker (filled on the controller only): the summary says
+# how long each worker was busy and which groups weigh most, and HVDKIT_TEST_TIMELINE=FILE keeps
+# every test's (worker, group, start, stop) as JSON to find the critical path.
+_TIMELINE: list[dict] = []
+
+
+def pytest_runtest_logreport(report):
+    worker = getattr(getattr(report, "node", None), "gateway", None)
+    if worker is not None and report.start:
+        _TIMELINE.append({"worker": worker.id, "test": report.nodeid, "when": report.when,
+                          "start": report.start, "stop": report.stop})
+
+
+def _timeline_summary(terminalreporter) -> None:
+    if not _TIMELINE:
+        return
+    span = max(r["stop"] for r in _TIMELINE) - min(r["start"] for r in _TIMELINE)
+    busy: dict[str, float] = defaultdict(float)
+    modules: dict[str, float] = defaultdict(float)
+    for r in _TIMELINE:
+        busy[r["worker"]] += r["stop"] - r["start"]
+        modules[r["test"].split("::")[0]] += r["stop"] - r["start"]
+    terminalreporter.write_line(f"tests ran {span / 60:.1f} min; busy per worker: " + ", ".join(
+        f"{w} {t / 60:.1f} min" for w, t in sorted(busy.items())))
+    heavy = sorted(modules.items(), key=lambda kv: -kv[1])[:10]
+    terminalreporter.write_line("heaviest modules (min): " + ", ".join(f"{m.removeprefix('tests/')} {t / 60:.1f}"
+                                                                        for m, t in heavy))
+    if os.environ.get("HVDKIT_TEST_TIMELINE"):
+        with open(os.environ["HVDKIT_TEST_TIMELINE"], "w") as f:
+            json.dump({"written": time.time(), "reports": _TIMELINE}, f)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """One loud line when the multi-node tests could not run (no namespaces on this machine)."""
+    """Where the time went (under xdist), and one loud line when the multi-node tests could not run
+    (no namespaces on this machine)."""
+    _timeline_summary(terminalreporter)
     skipped = terminalreporter.stats.get("skipped", [])
     reasons = {str(r.longrepr[-1]) for r in skipped
                if isinstance(r.longrepr, tuple) and "multi-node tests skipped" in str(r.longrepr[-1])}
