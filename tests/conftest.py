@@ -16,8 +16,10 @@ os.environ["HVDKIT_NETWORK_BENCH"] = ""
 # What the machine has only one of: the local Slurm cluster (its two nodes, its queue, the
 # nodes a test drains or kills) and Ray (its clusters' ports, ~/.ray). Tests marked so run one
 # after another, in collection order, on one pytest-xdist worker; every other module is a group
-# of its own, so its module-scoped fixtures run once. Without xdist (-n 0) the groups are inert.
-SHARED_MACHINE_MARKS = ("slurm", "multinode", "ray")
+# of its own, so its module-scoped fixtures run once. A test that shares an expensive module
+# fixture with a machine test is marked serial_group, so that fixture runs once, not once per
+# worker. Without xdist (-n 0) the groups are inert.
+SHARED_MACHINE_MARKS = ("slurm", "multinode", "ray", "serial_group")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into node ids

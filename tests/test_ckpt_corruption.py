@@ -21,7 +21,9 @@ from hvdkit.checkpoint import CheckpointManager, capture_rng, read_checkpoint
 from hvdkit.h5tree import materialize
 from hvdkit.position import LoopPosition
 
-FLIPS = 600
+# flips a format: the one the manager writes gets the most; the read-only older ones fewer (each
+# flip reads the file again, ~65 ms)
+FLIPS = {5: 600, 4: 200, 3: 200}
 
 
 def _two_checkpoints(directory, fmt):
@@ -72,7 +74,7 @@ def test_random_byte_flips_are_detected_or_harmless(tmp_path, caplog, fmt):
     older = read_checkpoint(tmp_path / "ckpt-000000001.h5")
     rng = random.Random(20261203)
     outcomes = {"detected": 0, "harmless": 0, "named": 0}
-    for flip in range(FLIPS):
+    for flip in range(FLIPS[fmt]):
         data = bytearray(pristine_bytes)
         offset = rng.randrange(len(data))
         data[offset] ^= 1 << rng.randrange(8)
@@ -108,7 +110,7 @@ def test_random_byte_flips_are_detected_or_harmless(tmp_path, caplog, fmt):
             assert_tree_equal(dict(states["model"].state_dict()), want["model"], f"flip {offset}: restored model")
             assert_tree_equal(states["optimizer"].state_dict()["state"], want["optimizer"]["state"],
                               f"flip {offset}: restored optimizer")
-    print(f"{FLIPS} flips over {len(pristine_bytes)} bytes: {outcomes}")
-    assert outcomes["detected"] > FLIPS // 2  # most bytes of a small checkpoint are content
+    print(f"{FLIPS[fmt]} flips over {len(pristine_bytes)} bytes: {outcomes}")
+    assert outcomes["detected"] > FLIPS[fmt] // 2  # most bytes of a small checkpoint are content
     if fmt == 5:  # a flip in a tensor's bytes names the tensor
         assert outcomes["named"] > 0

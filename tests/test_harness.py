@@ -33,6 +33,10 @@ def test_multinode(i): log(f"machine-multinode{i}")
 
 @pytest.mark.parametrize("i", range(3))
 def test_plain(i): log(f"shared_module-plain{i}")
+
+@pytest.mark.serial_group
+@pytest.mark.parametrize("i", range(3))
+def test_beside(i): log(f"machine-beside{i}")
 '''
 
 OTHER = '''
@@ -61,15 +65,15 @@ def test_the_shared_machine_tests_run_on_one_worker_and_each_module_on_one(tmp_p
         (tmp_path / name).write_text(text)
     (tmp_path / "who").mkdir()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
-                           "loadgroup", "-o", "markers=slurm\nmultinode\nray", "--rootdir", str(tmp_path),
+                           "loadgroup", "-o", "markers=slurm\nmultinode\nray\nserial_group", "--rootdir", str(tmp_path),
                            str(tmp_path)], cwd=tmp_path, env={**os.environ, "WHO_RAN": str(tmp_path / "who")},
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     ran: dict[str, set[str]] = {}
     for f in (tmp_path / "who").iterdir():
         ran.setdefault(f.name.split("-")[0], set()).add(f.read_text())
-    assert len(list((tmp_path / "who").iterdir())) == 18
-    # the Slurm, multinode and Ray tests of every module: one worker; the unmarked tests of a
+    assert len(list((tmp_path / "who").iterdir())) == 21
+    # the Slurm, multinode, Ray and serial_group tests of every module: one worker; the unmarked tests of a
     # module: one worker (its module fixtures run once), whichever
     assert {group: len(workers) for group, workers in ran.items()} == \
         {"machine": 1, "shared_module": 1, "plain_module": 1}, ran

@@ -103,6 +103,7 @@ def gpt_ddp(text, tmp_path_factory) -> dict:
 
 
 @pytest.mark.mp
+@pytest.mark.serial_group  # gpt_ddp is the Slurm test's reference too: run once, in its group
 @pytest.mark.timeout(400)  # measured 43 s (2 cores, loaded)
 def test_char_gpt_falls_well_below_the_unigram_baseline(text, gpt_ddp):
     _, attrs = text
