@@ -124,3 +124,25 @@ def test_launcher_rank_is_the_detected_environments_rank(env, rank):
     from hvdkit.environments import launcher_rank
 
     assert launcher_rank(env) == rank
+
+
+def test_ranks_share_their_nodes_cores_unless_omp_num_threads_is_set():
+    """A rank takes its node's usable cores over the ranks on that node; OMP_NUM_THREADS wins."""
+    import socket
+
+    import torch
+
+    from hvdkit.backends import base
+
+    before = torch.get_num_threads()
+    here = socket.gethostname()
+    try:
+        with mock.patch.dict(os.environ), mock.patch.object(base, "usable_cores", return_value=6):
+            os.environ.pop("OMP_NUM_THREADS", None)
+            assert base.share_node_cores([here, here, "elsewhere"]) == 3  # 2 ranks here share 6 cores
+            assert base.share_node_cores([here, here, here, here, here, here, here]) == 1  # never 0
+            os.environ["OMP_NUM_THREADS"] = "1"
+            torch.set_num_threads(2)
+            assert base.share_node_cores([here]) == 2  # the user's setting stands: untouched
+    finally:
+        torch.set_num_threads(before)
