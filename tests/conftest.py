@@ -31,8 +31,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Where the suite's time goes, per xdist worker (filled on the controller only): the summary says
-# how long each worker was busy and which groups weigh most, and HVDKIT_TEST_TIMELINE=FILE keeps
-# every test's (worker, group, start, stop) as JSON to find the critical path.
+# how long each worker was busy and which modules weigh most, and HVDKIT_TEST_TIMELINE=FILE keeps
+# every test phase's worker, node id (xdist appends "@group"), phase, start and stop as JSON.
 _TIMELINE: list[dict] = []
 
 

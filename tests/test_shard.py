@@ -207,7 +207,7 @@ def _budget_job(tmp_path, name: str, shard: str, budget: int,
 
 
 @pytest.mark.multinode
-@pytest.mark.timeout(900)  # measured 46 s (2 cores, loaded) with DDP alone
+@pytest.mark.timeout(900)  # measured 103 s alone with both backends (2 cores)
 @pytest.mark.skipif(not os.access(CGROUP, os.W_OK), reason="no writable cgroup-v1 memory controller here")
 def test_a_model_over_one_ranks_memory_budget_trains_when_fully_sharded_over_four_ranks(tmp_path):
     """Each rank may use 800 MB. Unsharded, the model's state alone (672 MB) on top of torch's
